@@ -1,0 +1,20 @@
+"""Final logits: only the rows the caller needs, through the tied LM head, with Gemma's softcapping."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class LogitsOutput(NamedTuple):
+    logits: torch.Tensor  # [rows, vocab] float32, softcapped
+    hidden_states: torch.Tensor  # [rows, hidden] final-norm hidden states of those rows (MTP drafts from them)
+
+
+def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """softcap * tanh(hidden @ W^T / softcap), in float32."""
+    logits = (hidden @ lm_head_weight.T).float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits

@@ -1,0 +1,80 @@
+"""Per-layer K/V buffers that know which layer owns the KV each layer reads.
+
+Gemma 4 layers differ in shape (sliding: head_dim 256, full: head_dim 512 and, on 26B/31B, fewer KV heads),
+so each owning layer gets its own buffer pair. KV-shared layers (the last `num_kv_shared_layers` of E2B/E4B)
+get none: asking for their buffers returns their owner's. Full-attention layers are indexed by full-pool
+slots; sliding layers by SWA-pool slots, reached through the allocator's `full_to_swa`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from srt.configs.model_config import AttentionLayerSpec
+from srt.mem_cache.allocator import SWATokenAllocator, check_indices, debug_kv_indices
+
+
+class HybridKVPool:
+    """K/V buffers for every KV-owning layer; full layers in the full pool, sliding layers in the SWA pool."""
+
+    def __init__(
+        self,
+        layers: Sequence[AttentionLayerSpec],
+        allocator: SWATokenAllocator,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.layers = tuple(layers)
+        self.allocator = allocator
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._k: dict[int, torch.Tensor] = {}
+        self._v: dict[int, torch.Tensor] = {}
+        for spec in self.layers:
+            if not spec.owns_kv:
+                continue
+            rows = (allocator.swa_size if spec.is_sliding else allocator.full_size) + 1  # + padding slot 0
+            shape = (rows, spec.num_kv_heads, spec.head_dim)
+            self._k[spec.layer_id] = torch.zeros(shape, dtype=dtype, device=self.device)
+            self._v[spec.layer_id] = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (K, V) buffers layer `layer_id` reads: its own, or its owner's for a KV-shared layer."""
+        owner = self.layers[layer_id].kv_owner
+        return self._k[owner], self._v[owner]
+
+    def layer_slots(self, layer_id: int, full_slots: torch.Tensor) -> torch.Tensor:
+        """Rows of the layer's buffers holding the tokens with these full-pool slots."""
+        if self.layers[layer_id].is_sliding:
+            return self.allocator.translate(full_slots)
+        if debug_kv_indices():
+            check_indices(full_slots, self.allocator.full_size, "full")
+        return full_slots
+
+    def write(self, layer_id: int, full_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of new tokens ([tokens, kv_heads, head_dim]) for a KV-owning layer."""
+        if not self.layers[layer_id].owns_kv:
+            raise ValueError(f"layer {layer_id} shares KV of layer {self.layers[layer_id].kv_owner}")
+        rows = self.layer_slots(layer_id, full_slots)
+        self._k[layer_id][rows] = k.to(self.dtype)
+        self._v[layer_id][rows] = v.to(self.dtype)
+
+    def bytes_per_token(self) -> tuple[int, int]:
+        """(full-pool, SWA-pool) KV bytes one token occupies across all owning layers."""
+        return kv_bytes_per_token(self.layers, self.dtype)
+
+
+def kv_bytes_per_token(layers: Sequence[AttentionLayerSpec], dtype: torch.dtype) -> tuple[int, int]:
+    """(full, swa) bytes per token of K and V over the layers that own KV."""
+    item = torch.empty((), dtype=dtype).element_size()
+    full = swa = 0
+    for spec in layers:
+        if spec.owns_kv:
+            size = 2 * spec.num_kv_heads * spec.head_dim * item
+            if spec.is_sliding:
+                swa += size
+            else:
+                full += size
+    return full, swa

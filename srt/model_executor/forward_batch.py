@@ -1,0 +1,110 @@
+"""The one batch object the model sees.
+
+Every request in a batch contributes `extend_seq_lens[i]` new tokens after `extend_prefix_lens[i]` tokens
+whose KV is already in the pools; a fresh prompt, a prefix-cache hit, a prefill chunk and a decode step
+(one new token) are all the same layout:
+
+    rows:      | req 0: positions p0 .. s0-1 | req 1: positions p1 .. s1-1 | ...
+    seq_lens:  s_i = prefix_i + extend_i  (tokens with KV once this forward has run)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from srt.mem_cache.kv_pool import HybridKVPool
+    from srt.mem_cache.req_to_token_pool import ReqToTokenPool
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = enum.auto()  # prompt tokens (fresh, after a prefix hit, or one chunk)
+    DECODE = enum.auto()  # one new token per request
+    MIXED = enum.auto()  # extend and decode requests in one batch
+    IDLE = enum.auto()
+    TARGET_VERIFY = enum.auto()  # speculative decoding: score draft tokens
+    DRAFT_EXTEND = enum.auto()
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+
+@dataclass
+class ForwardBatch:
+    """Inputs of one forward pass over paged KV. Tensors live on the model's device."""
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [tokens] int64
+    positions: torch.Tensor  # [tokens] int64
+    req_pool_indices: torch.Tensor  # [batch] rows of req_to_token
+    seq_lens: torch.Tensor  # [batch]
+    extend_prefix_lens: torch.Tensor  # [batch]
+    extend_seq_lens: torch.Tensor  # [batch]
+    out_cache_loc: torch.Tensor  # [tokens] full-pool slots the new tokens' KV goes to
+    logits_rows: torch.Tensor  # rows whose logits the caller needs
+    req_to_token_pool: ReqToTokenPool
+    kv_pool: HybridKVPool
+    # host copies, so per-request loops need no device sync
+    seq_lens_cpu: list[int] = field(default_factory=list)
+    extend_prefix_lens_cpu: list[int] = field(default_factory=list)
+    extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    attn_metadata: Any = None  # built by the attention backend's init_forward_metadata
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def extend_start_loc_cpu(self) -> list[int]:
+        starts, total = [], 0
+        for n in self.extend_seq_lens_cpu:
+            starts.append(total)
+            total += n
+        return starts
+
+    @classmethod
+    def build(
+        cls,
+        mode: ForwardMode,
+        new_token_ids: list[list[int]],
+        prefix_lens: list[int],
+        req_pool_indices: list[int],
+        out_cache_loc: torch.Tensor,
+        logits_rows: list[int],
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: HybridKVPool,
+    ) -> ForwardBatch:
+        """Lay out a batch from each request's new tokens and how many tokens it already has in KV."""
+        device = kv_pool.device
+        extend_lens = [len(ids) for ids in new_token_ids]
+        seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
+        positions = [pos for p, s in zip(prefix_lens, seq_lens, strict=True) for pos in range(p, s)]
+        flat_ids = [tok for ids in new_token_ids for tok in ids]
+
+        def tensor(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        return cls(
+            mode=mode,
+            input_ids=tensor(flat_ids),
+            positions=tensor(positions),
+            req_pool_indices=tensor(req_pool_indices),
+            seq_lens=tensor(seq_lens),
+            extend_prefix_lens=tensor(prefix_lens),
+            extend_seq_lens=tensor(extend_lens),
+            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
+            logits_rows=tensor(logits_rows),
+            req_to_token_pool=req_to_token_pool,
+            kv_pool=kv_pool,
+            seq_lens_cpu=seq_lens,
+            extend_prefix_lens_cpu=list(prefix_lens),
+            extend_seq_lens_cpu=extend_lens,
+        )

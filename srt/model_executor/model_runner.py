@@ -1,0 +1,79 @@
+"""Owns the model weights, the KV pools and the attention backend; runs one ForwardBatch at a time."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from srt.configs.model_config import ModelConfig, resolve_dtype
+from srt.layers.attention import create_attention_backend
+from srt.layers.logits_processor import LogitsOutput
+from srt.mem_cache.allocator import SWATokenAllocator
+from srt.mem_cache.kv_pool import HybridKVPool
+from srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from srt.model_executor.forward_batch import ForwardBatch
+from srt.model_loader.loader import load_model
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Without a GPU to size from, CPU runs get this many full-pool tokens unless --max-total-tokens says otherwise.
+CPU_DEFAULT_TOTAL_TOKENS = 16384
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_load_format(server_args: ServerArgs) -> str:
+    if server_args.load_format != "auto":
+        return server_args.load_format
+    return "safetensors"
+
+
+class ModelRunner:
+    """The model on its device with its KV memory."""
+
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None) -> None:
+        self.server_args = server_args
+        self.device = resolve_device(server_args.device)
+        self.dtype = resolve_dtype(server_args.dtype, self.device)
+        self.model_config = model_config or ModelConfig.from_name_or_path(server_args.model_path)
+        load_format = resolve_load_format(server_args)
+        model_path = Path(server_args.model_path) if load_format != "dummy" else None
+        self.model = load_model(
+            self.model_config, model_path, load_format, self.dtype, self.device, seed=server_args.seed
+        )
+        self.context_len = server_args.context_length or self.model_config.context_len
+        full_tokens, swa_tokens = self._pool_sizes()
+        self.req_to_token_pool = ReqToTokenPool(
+            server_args.max_running_requests, min(self.context_len, full_tokens) + 1, self.device
+        )
+        self.token_allocator = SWATokenAllocator(full_tokens, swa_tokens, self.device)
+        self.kv_pool = HybridKVPool(self.model_config.layers, self.token_allocator, self.dtype, self.device)
+        backend = server_args.attention_backend
+        if backend == "auto":
+            backend = "torch_native"
+        self.attn_backend = create_attention_backend(backend)
+        logger.info(
+            "model ready: %s on %s (%s), KV pools: full %d tokens, swa %d tokens, attention %s",
+            server_args.model_path,
+            self.device,
+            self.dtype,
+            full_tokens,
+            swa_tokens,
+            backend,
+        )
+
+    def _pool_sizes(self) -> tuple[int, int]:
+        full = self.server_args.max_total_tokens or CPU_DEFAULT_TOTAL_TOKENS
+        return full, full
+
+    def forward(self, batch: ForwardBatch) -> LogitsOutput:
+        return self.model(batch, self.attn_backend)

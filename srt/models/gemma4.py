@@ -1,0 +1,200 @@
+"""Gemma 4 text model over paged KV (E2B, E4B, 26B-A4B, 31B).
+
+Numerically it follows transformers' modeling_gemma4.py; parameter names are the checkpoint's, so a Hugging
+Face directory loads as it is. What differs is the execution: a flat batch of token rows (ForwardBatch),
+KV written to and read from the pools through an attention backend, KV-shared layers with no K/V weights
+reading their owner's buffers, and logits only for the rows the caller needs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srt.configs.model_config import AttentionLayerSpec, ModelConfig
+from srt.layers.attention.base import AttentionBackend
+from srt.layers.layernorm import RMSNorm
+from srt.layers.logits_processor import LogitsOutput, compute_logits
+from srt.layers.moe.experts import Experts
+from srt.layers.moe.router import Router
+from srt.layers.rotary import RotaryEmbedding, apply_rotary
+from srt.model_executor.forward_batch import ForwardBatch
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Embedding times a constant; the constant is rounded to the weight dtype first, as the reference does."""
+
+    def __init__(self, num_embeddings: int, dim: int, scale: float) -> None:
+        super().__init__(num_embeddings, dim)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * torch.tensor(self.scale, dtype=self.weight.dtype)
+
+
+class Gemma4Attention(nn.Module):
+    """q/k/v projections with q/k/v norms and RoPE; scaling 1.0. KV-shared layers have only q and o."""
+
+    def __init__(self, spec: AttentionLayerSpec, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.spec = spec
+        dim, heads, kv_heads = spec.head_dim, spec.num_heads, spec.num_kv_heads
+        self.q_proj = nn.Linear(hidden_size, heads * dim, bias=False)
+        self.q_norm = RMSNorm(dim, eps=eps)
+        if spec.owns_kv:
+            self.k_proj = nn.Linear(hidden_size, kv_heads * dim, bias=False)
+            # k_eq_v layers (full layers of 26B/31B) take V from the K projection before its norm and RoPE
+            self.v_proj = None if spec.k_eq_v else nn.Linear(hidden_size, kv_heads * dim, bias=False)
+            self.k_norm = RMSNorm(dim, eps=eps)
+            self.v_norm = RMSNorm(dim, eps=eps, with_scale=False)
+        self.o_proj = nn.Linear(heads * dim, hidden_size, bias=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        tokens, dim = hidden.shape[0], self.spec.head_dim
+        cos, sin = cos_sin
+        q = apply_rotary(self.q_norm(self.q_proj(hidden).view(tokens, -1, dim)), cos, sin)
+        if self.spec.owns_kv:
+            k_raw = self.k_proj(hidden).view(tokens, -1, dim)
+            v_raw = k_raw if self.v_proj is None else self.v_proj(hidden).view(tokens, -1, dim)
+            k = apply_rotary(self.k_norm(k_raw), cos, sin)
+            out = backend.forward(q, k, self.v_norm(v_raw), self.spec, batch)
+        else:
+            out = backend.forward(q, None, None, self.spec, batch, save_kv=False)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class Gemma4MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class Gemma4DecoderLayer(nn.Module):
+    """Attention, dense MLP (+ MoE block on 26B-A4B), per-layer input, layer scalar."""
+
+    def __init__(self, config: ModelConfig, spec: AttentionLayerSpec) -> None:
+        super().__init__()
+        hf = config.hf_text_config
+        hidden, eps = hf.hidden_size, hf.rms_norm_eps
+        self.self_attn = Gemma4Attention(spec, hidden, eps)
+        # KV-shared layers of double-wide checkpoints (E2B) have twice the MLP width
+        double_wide = bool(hf.use_double_wide_mlp) and not spec.owns_kv
+        self.mlp = Gemma4MLP(hidden, hf.intermediate_size * (2 if double_wide else 1))
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.has_moe = config.is_moe
+        if self.has_moe:
+            self.router = Router(hidden, hf.num_experts, hf.top_k_experts, eps)
+            self.experts = Experts(hf.num_experts, hidden, hf.moe_intermediate_size)
+            self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+            self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+        self.ple_dim = hf.hidden_size_per_layer_input or 0
+        if self.ple_dim:
+            self.per_layer_input_gate = nn.Linear(hidden, self.ple_dim, bias=False)
+            self.per_layer_projection = nn.Linear(self.ple_dim, hidden, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(hidden, eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        per_layer_input: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), cos_sin, batch, backend)
+        hidden = hidden + self.post_attention_layernorm(attn)
+
+        residual = hidden
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
+        if self.has_moe:
+            # the router and the experts see the residual stream, not the dense MLP's input norm
+            routing = self.router(residual)
+            expert_out = self.experts(self.pre_feedforward_layernorm_2(residual), *routing)
+            mlp_out = self.post_feedforward_layernorm_1(mlp_out) + self.post_feedforward_layernorm_2(expert_out)
+        hidden = residual + self.post_feedforward_layernorm(mlp_out)
+
+        if self.ple_dim:
+            gated = F.gelu(self.per_layer_input_gate(hidden), approximate="tanh") * per_layer_input
+            hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return hidden * self.layer_scalar
+
+
+class Gemma4TextModel(nn.Module):
+    """Embeddings, per-layer inputs (PLE), decoder layers, final norm. Parameter prefix `model.`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hf = config.hf_text_config
+        self.config = config
+        self.embed_tokens = ScaledEmbedding(hf.vocab_size, hf.hidden_size, hf.hidden_size**0.5)
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(config, spec) for spec in config.layers)
+        self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        self.rotary = RotaryEmbedding(hf)
+        self.ple_dim = hf.hidden_size_per_layer_input or 0
+        if self.ple_dim:
+            total = config.num_layers * self.ple_dim
+            self.embed_tokens_per_layer = ScaledEmbedding(hf.vocab_size_per_layer_input, total, self.ple_dim**0.5)
+            self.per_layer_model_projection = nn.Linear(hf.hidden_size, total, bias=False)
+            self.per_layer_projection_norm = RMSNorm(self.ple_dim, hf.rms_norm_eps)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[tokens, layers, ple_dim]: (projection of the embedding + token's own PLE row) / sqrt(2)."""
+        tokens = input_ids.shape[0]
+        projected = self.per_layer_model_projection(embeds) * self.config.hidden_size**-0.5
+        projected = self.per_layer_projection_norm(projected.view(tokens, self.config.num_layers, self.ple_dim))
+        identity = self.embed_tokens_per_layer(input_ids).view(tokens, self.config.num_layers, self.ple_dim)
+        return (projected + identity) * 2.0**-0.5
+
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """Final-norm hidden states [tokens, hidden] of every row of the batch."""
+        hidden = self.embed_tokens(batch.input_ids)
+        per_layer = self.per_layer_inputs(batch.input_ids, hidden) if self.ple_dim else None
+        cos_sin = {
+            layer_type: self.rotary.cos_sin(batch.positions, layer_type, hidden.dtype)
+            for layer_type in self.rotary.layer_types
+        }
+        for i, layer in enumerate(self.layers):
+            spec = self.config.layers[i]
+            layer_input = per_layer[:, i] if per_layer is not None else None
+            hidden = layer(hidden, layer_input, cos_sin[spec.layer_type], batch, backend)
+        return self.norm(hidden)
+
+
+class Gemma4ForCausalLM(nn.Module):
+    """The text model plus the (tied) LM head with final logit softcapping."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma4TextModel(config)
+        self.tie_word_embeddings = bool(config.hf_text_config.tie_word_embeddings)
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> LogitsOutput:
+        backend.init_forward_metadata(batch)
+        hidden = self.model(batch, backend)[batch.logits_rows]
+        softcap = self.config.hf_text_config.final_logit_softcapping
+        return LogitsOutput(compute_logits(hidden, self.lm_head_weight, softcap), hidden)
