@@ -1,0 +1,84 @@
+"""`--disable-radix-cache`: the prefix-cache interface with nothing cached across requests.
+
+Every match is empty, a finished request's slots go straight back to the allocator, and a chunked-prefill
+request simply keeps the slots it has. Useful to measure what the radix cache buys, and as the simplest
+correct cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from srt.mem_cache.allocator import SWATokenAllocator, TokenSlotAllocator
+from srt.mem_cache.base_prefix_cache import (
+    CacheStats,
+    MatchResult,
+    PrefixCache,
+    check_partition,
+    full_pool_of,
+)
+from srt.mem_cache.radix_cache import _EMPTY, TreeNode
+
+
+class ChunkCache(PrefixCache):
+    """A prefix cache that caches nothing; its only node is an empty root every request locks."""
+
+    def __init__(self, allocator: TokenSlotAllocator | SWATokenAllocator) -> None:
+        self.allocator = allocator
+        self._full = full_pool_of(allocator)
+        self.root = TreeNode((), _EMPTY, None)
+        self._locks = 0
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        return MatchResult(_EMPTY, self.root)
+
+    def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
+        """Nothing is kept: the slots are freed at once and no token counts as already cached."""
+        if len(token_ids) != len(slots):
+            raise ValueError(f"{len(token_ids)} tokens but {len(slots)} slots")
+        self.allocator.free(slots.to(torch.int64))
+        return 0
+
+    def lock(self, node: TreeNode) -> None:
+        self._check_root(node)
+        self._locks += 1
+
+    def unlock(self, node: TreeNode) -> None:
+        self._check_root(node)
+        if self._locks <= 0:
+            raise ValueError("unlock without a matching lock")
+        self._locks -= 1
+
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def cache_unfinished(
+        self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult
+    ) -> MatchResult:
+        """The request keeps its own slots; its lock on the root stays as it is."""
+        return MatchResult(slots.to(torch.int64), match.node)
+
+    def cache_finished(self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult) -> None:
+        # The row's first prefix_len slots came from cache_unfinished: the request's own, freed with the rest.
+        self.insert(token_ids, slots)
+        self.unlock(match.node)
+
+    def stats(self) -> CacheStats:
+        total, free = self._full.size, self._full.available()
+        return CacheStats(total, free, 0, 0, total - free)
+
+    def check_integrity(self, request_slots: torch.Tensor | None = None) -> None:
+        self.allocator.check_integrity()
+        if self._locks < 0 or self.root.children:
+            raise AssertionError(f"chunk cache holds state: {self._locks} locks, {len(self.root.children)} nodes")
+        check_partition("full", self._full.size, self._full.free_slots(), _EMPTY, request_slots)
+        if isinstance(self.allocator, SWATokenAllocator) and request_slots is not None:
+            swa = self.allocator.full_to_swa[request_slots.to(torch.int64)]
+            swa_pool = self.allocator.swa
+            check_partition("swa", swa_pool.size, swa_pool.free_slots(), _EMPTY, swa[swa != 0])
+
+    def _check_root(self, node: TreeNode) -> None:
+        if node is not self.root:
+            raise ValueError(f"not a node of this chunk cache: {node!r}")
