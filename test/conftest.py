@@ -1,0 +1,39 @@
+"""Shared pytest fixtures and mark handling for srt's tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked `gpu` on machines without CUDA."""
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory `tiny_checkpoint(preset, seed=0) -> Path`: a float32 tiny checkpoint directory.
+
+    Each (preset, seed) is built once per test session; tests must treat the directory as read-only.
+    """
+    # Imported here so that collecting tests which never build a checkpoint stays cheap.
+    from srt.tools.make_checkpoint import make_checkpoint
+
+    built: dict[tuple[str, int], Path] = {}
+
+    def build(preset: str, seed: int = 0) -> Path:
+        key = (preset, seed)
+        if key not in built:
+            built[key] = make_checkpoint(preset, tmp_path_factory.mktemp(f"{preset}-seed{seed}"), seed=seed)
+        return built[key]
+
+    return build
