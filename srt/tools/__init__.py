@@ -1,1 +1,1 @@
-"""Developer tools: building tiny Gemma 4 checkpoints (`python -m srt.tools.make_checkpoint`)."""
+"""Developer command-line tools, each run as `python -m srt.tools.<tool>` (e.g. make_checkpoint, memory_plan)."""
