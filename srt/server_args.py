@@ -11,6 +11,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
+SCHEDULE_POLICIES = ("lpm", "fcfs")
 
 
 def _arg(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -48,6 +49,14 @@ class ServerArgs:
         "Sliding-window pool tokens / full pool tokens (default 0.15 for MoE checkpoints, 0.8 for dense).",
     )
     max_running_requests: int = _arg(64, "Most requests in the running batch at once.")
+    max_prefill_tokens: int = _arg(16384, "Most prompt tokens computed in one prefill forward.")
+    chunked_prefill_size: int = _arg(
+        8192, "Longer prompts are computed in chunks of this many tokens, one chunked request at a time (0: off)."
+    )
+    schedule_policy: str = _arg(
+        "lpm", "Admission order: lpm = longest cached prefix first, fcfs = arrival order.", SCHEDULE_POLICIES
+    )
+    disable_radix_cache: bool = _arg(False, "Do not reuse KV of shared prompt prefixes across requests.")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -64,6 +73,10 @@ class ServerArgs:
             raise ValueError(f"swa_full_tokens_ratio must be > 0; got {self.swa_full_tokens_ratio}")
         if self.max_total_tokens is not None and self.max_total_tokens <= 0:
             raise ValueError(f"max_total_tokens must be > 0; got {self.max_total_tokens}")
+        if self.max_prefill_tokens <= 0:
+            raise ValueError(f"max_prefill_tokens must be > 0; got {self.max_prefill_tokens}")
+        if self.chunked_prefill_size < 0:
+            raise ValueError(f"chunked_prefill_size must be >= 0; got {self.chunked_prefill_size}")
         if self.max_running_requests <= 0:
             raise ValueError(f"max_running_requests must be > 0; got {self.max_running_requests}")
 

@@ -1,0 +1,254 @@
+"""The scheduler: turns a stream of requests into batches and keeps KV memory from running out mid-step.
+
+One step: admit from the waiting queue under the budgets (prefill first) or else decode every running
+request -> run the model -> sample -> update requests -> report -> cache. When memory runs short it evicts
+unlocked prefix-cache entries, then retracts decode requests back to the waiting queue.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from srt.layers.sampler import make_generator
+from srt.managers.io_struct import FinishReason, ReqOutput, TokenizedGenerateReq
+from srt.managers.request_output import collect_output, finish_check, record_prompt_logprobs, sample_batch
+from srt.managers.schedule_batch import Req, ScheduleBatch, ScheduledReq
+from srt.managers.schedule_policy import PrefillBudget, order_waiting
+from srt.mem_cache.base_prefix_cache import PrefixCache
+from srt.mem_cache.chunk_cache import ChunkCache
+from srt.mem_cache.swa_radix_cache import SWARadixCache
+from srt.mem_cache.swa_window import free_out_of_window
+from srt.model_executor.forward_batch import ForwardMode
+from srt.model_executor.model_runner import ModelRunner
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Continuous batching over one ModelRunner. Drive it with `add_request`, `abort` and `step`."""
+
+    def __init__(self, server_args: ServerArgs, runner: ModelRunner | None = None) -> None:
+        self.args = server_args
+        self.runner = runner or ModelRunner(server_args)
+        self.allocator = self.runner.token_allocator
+        self.req_to_token_pool = self.runner.req_to_token_pool
+        self.sliding_window = self.runner.model_config.sliding_window
+        self.cache: PrefixCache = (
+            ChunkCache(self.allocator)
+            if server_args.disable_radix_cache
+            else SWARadixCache(self.allocator, self.sliding_window)
+        )
+        self.eos_ids = set(self.runner.eos_token_ids)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.num_retractions = 0
+        # requests without a seed of their own draw from this one, seeded by --seed
+        self.default_generator = make_generator(server_args.seed, self.runner.device)
+
+    # ---- requests in -----------------------------------------------------------------------------------
+    def add_request(self, request: TokenizedGenerateReq) -> None:
+        """Queue a request; raises ValueError naming the bad field of an unservable one."""
+        vocab = self.runner.model_config.vocab_size
+        request.sampling_params.validate(vocab)
+        if not request.input_ids:
+            raise ValueError("input_ids must not be empty")
+        if any(not 0 <= tok < vocab for tok in request.input_ids):
+            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
+        if len(request.input_ids) >= self.runner.context_len:
+            raise ValueError(
+                f"input_ids has {len(request.input_ids)} tokens; the context length is {self.runner.context_len}"
+            )
+        if len(request.input_ids) >= self.allocator.full_size:
+            raise ValueError(
+                f"input_ids has {len(request.input_ids)} tokens; the KV pool holds {self.allocator.full_size}"
+            )
+        start = request.logprob_start_len
+        if start is not None and not 0 <= start <= len(request.input_ids):
+            raise ValueError(f"logprob_start_len must be in [0, {len(request.input_ids)}], got {start}")
+        if any(req.rid == request.rid for req in self.waiting + self.running):
+            raise ValueError(f"a request with rid {request.rid!r} is already running")
+        self.waiting.append(Req.from_request(request, self.runner.device))
+
+    def abort(self, rid: str) -> ReqOutput | None:
+        """Stop a waiting or running request and free everything it holds; None if it is unknown."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    if req.req_pool_idx is not None:
+                        self._release(req)
+                    req.finished_reason = FinishReason("abort", message="aborted by the client")
+                    return collect_output(req)
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def step(self) -> list[ReqOutput]:
+        """Run one forward (prefill if anything can be admitted, else decode); report what changed."""
+        batch = self._schedule_prefill() or self._schedule_decode()
+        if batch is None:
+            return []
+        return self._run(batch)
+
+    def _schedule_prefill(self) -> ScheduleBatch | None:
+        budget = PrefillBudget(
+            tokens=self.args.max_prefill_tokens,
+            chunk=self.args.chunked_prefill_size or self.runner.context_len,
+            requests=self.args.max_running_requests - len(self.running),
+        )
+        items: list[ScheduledReq] = []
+        chunked = [req for req in self.running if req.to_compute > 1]  # at most one: a prefill in progress
+        for req in chunked:
+            num = min(req.to_compute, budget.tokens, budget.chunk)
+            if num == 0 or not self._make_room(num + len(self.running)):
+                return None
+            items.append(self._scheduled(req, num))
+            budget.tokens -= num
+        for req in order_waiting(self.waiting, self.args.schedule_policy, self.cache):
+            if self.req_to_token_pool.available() == 0 or not self._admit(req, budget, items, chunked):
+                break
+        if not items:
+            return None
+        return ScheduleBatch(ForwardMode.EXTEND, items)
+
+    def _admit(self, req: Req, budget: PrefillBudget, items: list[ScheduledReq], chunked: list[Req]) -> bool:
+        """Try to add a waiting request to the prefill batch; False when it (and so the rest) must wait."""
+        limit = len(req.all_ids) - 1  # at least one token must run: its logits are needed
+        if req.wants_prompt_logprobs:
+            limit = min(limit, req.prompt_logprob_first_row())
+        match = self.cache.match_prefix(req.all_ids[:limit])
+        pending = len(req.all_ids) - match.prefix_len
+        num = min(pending, budget.tokens, budget.chunk) if budget.requests > 0 else 0
+        if num == 0 or (num < pending and (chunked or any(item.num_tokens < item.req.to_compute for item in items))):
+            return False  # one chunked request at a time
+        self.cache.lock(match.node)  # before evicting, so room is not made out of this very prefix
+        # room for this chunk, the chunks already in the batch, and one decode token per running request
+        reserved = sum(item.num_tokens for item in items)
+        if not self._make_room(reserved + num + len(self.running) + 1):
+            self.cache.unlock(match.node)
+            return False
+        req.req_pool_idx = self.req_to_token_pool.alloc()
+        self.req_to_token_pool.write(req.req_pool_idx, 0, match.slots)
+        req.prefix, req.kv_len, req.swa_freed_upto = match, match.prefix_len, match.prefix_len
+        if not req.admitted_once:
+            req.cached_tokens, req.admitted_once = match.prefix_len, True
+        self.waiting.remove(req)
+        self.running.append(req)
+        items.append(self._scheduled(req, num))
+        budget.take(num)
+        return True
+
+    def _scheduled(self, req: Req, num: int) -> ScheduledReq:
+        completes = num == req.to_compute
+        rows = range(0)
+        if req.wants_prompt_logprobs:
+            first = max(req.prompt_logprob_first_row(), req.kv_len)
+            rows = range(first, max(first, min(len(req.prompt_ids) - 1, req.kv_len + num)))
+        sample = completes and len(req.output_ids) < req.params.sampling_params.max_new_tokens
+        return ScheduledReq(req, num, sample, rows)
+
+    def _schedule_decode(self) -> ScheduleBatch | None:
+        decoding = [req for req in self.running if req.to_compute == 1]
+        # fewest output tokens first (they lose the least work), latest admitted first among equals
+        while decoding and not self._make_room(len(decoding)):
+            victim = min(reversed(decoding), key=lambda req: len(req.output_ids))
+            decoding.remove(victim)
+            self._retract(victim)
+        if not decoding:
+            return None
+        return ScheduleBatch(ForwardMode.DECODE, [ScheduledReq(req, 1, True) for req in decoding])
+
+    # ---- run and update ----------------------------------------------------------------------------------
+    def _run(self, batch: ScheduleBatch) -> list[ReqOutput]:
+        slots = []
+        for item in batch.items:
+            new_slots = self.allocator.alloc(item.num_tokens)
+            self.req_to_token_pool.write(item.req.req_pool_idx, item.req.kv_len, new_slots)
+            slots.append(new_slots)
+        forward_batch = batch.to_forward_batch(torch.cat(slots), self.req_to_token_pool, self.runner.kv_pool)
+        logits = self.runner.forward(forward_batch).logits
+
+        row = 0
+        sampled_items, sample_rows = [], []
+        for item in batch.items:
+            num_logprob_rows = len(item.prompt_logprob_rows)
+            if item.req.wants_prompt_logprobs:
+                record_prompt_logprobs(item, logits[row : row + num_logprob_rows])
+                row += num_logprob_rows
+            if item.sample:
+                sampled_items.append(item)
+                sample_rows.append(row)
+                row += 1
+            item.req.kv_len += item.num_tokens
+            if item.req.kv_len >= len(item.req.prompt_ids):
+                item.req.prompt_logprobs_done = True
+        if sampled_items:
+            sample_batch(
+                [item.req for item in sampled_items], logits[sample_rows], self.eos_ids, self.default_generator
+            )
+
+        outputs = []
+        for item in batch.items:
+            req = item.req
+            if not req.finished:
+                req.finished_reason = finish_check(req, self.eos_ids, self.runner.context_len)
+            if req.finished:
+                self.running.remove(req)
+                self._release(req)
+            elif req.to_compute > 1:
+                self._cache_chunk(req)
+            else:
+                self._free_window(req)
+            outputs.append(collect_output(req))
+        return outputs
+
+    def _cache_chunk(self, req: Req) -> None:
+        """After a prefill chunk: its tokens go to the cache, so the next request sharing them hits."""
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        req.prefix = self.cache.cache_unfinished(req.all_ids[: req.kv_len], row[: req.kv_len].long(), req.prefix)
+        self.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix.slots)
+        req.swa_freed_upto = max(req.swa_freed_upto, req.prefix.prefix_len)
+
+    def _free_window(self, req: Req) -> None:
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        req.swa_freed_upto = free_out_of_window(
+            self.allocator, row, req.swa_freed_upto, req.kv_len, self.sliding_window
+        )
+
+    def _release(self, req: Req) -> None:
+        """Hand the request's KV to the cache and free its row; afterwards it holds nothing."""
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        self.cache.cache_finished(req.all_ids[: req.kv_len], row[: req.kv_len].long(), req.prefix)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.prefix, req.kv_len, req.swa_freed_upto = None, None, 0, 0
+
+    def _retract(self, req: Req) -> None:
+        """Send a decode request back to the queue; it re-runs prompt + output so far when re-admitted."""
+        self.running.remove(req)
+        self._release(req)
+        self.waiting.insert(0, req)
+        self.num_retractions += 1
+        logger.info("KV memory short: retracted request %s (%d output tokens)", req.rid, len(req.output_ids))
+
+    def _make_room(self, num_tokens: int) -> bool:
+        """Ensure `num_tokens` slots can be allocated, evicting unlocked cache entries if needed."""
+        short = num_tokens - self.allocator.available()
+        if short > 0:
+            self.cache.evict(short)
+        return self.allocator.available() >= num_tokens
+
+    # ---- checks --------------------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Every pool and cache is consistent; when idle, no slot is held by a request."""
+        self.cache.check_integrity()
+        self.allocator.check_integrity()
+        self.req_to_token_pool.check_integrity()
+        if not self.running and self.req_to_token_pool.in_use():
+            raise AssertionError(f"{self.req_to_token_pool.in_use()} request rows in use with nothing running")
+        if not self.running and self.cache.in_use():
+            raise AssertionError(f"{self.cache.in_use()} KV slots in use with nothing running")
