@@ -120,8 +120,9 @@ class RadixCache(PrefixCache):
         path = self._walk(token_ids)
         pos = 0
         for i, node in enumerate(path):
-            path[i] = self._adopt(node, slots[pos : pos + len(node)])
-            pos += len(node)
+            length = len(node)  # before _adopt, which may split `node` and leave it the tail
+            path[i] = self._adopt(node, slots[pos : pos + length])
+            pos += length
         if pos < len(token_ids):
             parent = path[-1] if path else self.root
             path += self._add_leaves(parent, tuple(token_ids[pos:]), slots[pos:])
