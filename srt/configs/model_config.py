@@ -6,6 +6,7 @@ the checkpoint's config as transformers resolves it; nothing is derived by guess
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +104,16 @@ class ModelConfig:
         config_file = Path(path) / "config.json"
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
+        try:
+            model_type = json.loads(config_file.read_text()).get("model_type")
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{config_file} is not valid JSON ({error})") from error
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            # checked before transformers parses it: a foreign config may fail there with an unrelated error
+            raise ValueError(
+                f"{config_file}: unsupported model_type {model_type!r}: srt serves Gemma 4 checkpoints "
+                f"(model_type one of {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
         try:
             config = AutoConfig.from_pretrained(str(path))
         except (KeyError, ValueError) as error:

@@ -200,15 +200,17 @@ class Scheduler:
             if req.finished:
                 self.running.remove(req)
                 self._release(req)
-            elif req.to_compute > 1:
-                self._cache_chunk(req)
+            elif batch.mode == ForwardMode.EXTEND:
+                # prompt KV (a chunk, or the whole prompt once done) goes to the cache, which then owns its
+                # sliding-window KV: requests sharing the prefix hit it until the cache evicts it
+                self._cache_prefill(req)
             else:
                 self._free_window(req)
             outputs.append(collect_output(req))
         return outputs
 
-    def _cache_chunk(self, req: Req) -> None:
-        """After a prefill chunk: its tokens go to the cache, so the next request sharing them hits."""
+    def _cache_prefill(self, req: Req) -> None:
+        """After a prefill forward: the request's tokens so far go to the cache; it keeps them locked."""
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
         req.prefix = self.cache.cache_unfinished(req.all_ids[: req.kv_len], row[: req.kv_len].long(), req.prefix)
         self.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix.slots)

@@ -1,0 +1,160 @@
+"""Continuous batching must not change outputs: batched, chunked, retracted and prefix-cached requests yield
+the tokens each request yields alone; every pool and cache is consistent and empty afterwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Gemma4ForCausalLM as ReferenceModel
+
+from srt.managers.inprocess import run_to_completion
+from srt.managers.io_struct import TokenizedGenerateReq
+from srt.managers.scheduler import Scheduler
+from srt.model_executor.model_runner import ModelRunner
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+
+PRESET = "tiny-gemma-4-E4B-it"
+NEW_TOKENS = 8
+
+
+def make_scheduler(path, **overrides) -> Scheduler:
+    args = ServerArgs(model_path=str(path), device="cpu", dtype="float32", **overrides)
+    return Scheduler(args, ModelRunner(args))
+
+
+def greedy(rid: str, ids: list[int], max_new_tokens: int = NEW_TOKENS, **kwargs) -> TokenizedGenerateReq:
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+    return TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=params, **kwargs)
+
+
+def prompts(count: int, seed: int = 0, low: int = 3, high: int = 70) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    lens = torch.randint(low, high, (count,), generator=generator).tolist()
+    return [torch.randint(3, 1000, (n,), generator=generator).tolist() for n in lens]
+
+
+def assert_idle_and_consistent(scheduler: Scheduler) -> None:
+    scheduler.check_integrity()
+    assert not scheduler.running and not scheduler.waiting
+    assert scheduler.req_to_token_pool.in_use() == 0
+    assert scheduler.cache.in_use() == 0
+
+
+@pytest.fixture(scope="module")
+def alone_outputs(tiny_checkpoint) -> dict[int, list[int]]:
+    """Greedy tokens of each prompt run by itself."""
+    scheduler = make_scheduler(tiny_checkpoint(PRESET), disable_radix_cache=True)
+    outputs = {}
+    for i, ids in enumerate(prompts(16)):
+        outputs[i] = run_to_completion(scheduler, [greedy(str(i), ids)])[str(i)].output_ids
+    assert_idle_and_consistent(scheduler)
+    return outputs
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"chunked_prefill_size": 32},
+        {"schedule_policy": "fcfs", "max_prefill_tokens": 100},
+        {"disable_radix_cache": True},
+    ],
+    ids=["batched", "chunked-32", "fcfs-small-prefill-budget", "no-radix-cache"],
+)
+def test_sixteen_requests_together_match_each_alone(tiny_checkpoint, alone_outputs, overrides) -> None:
+    scheduler = make_scheduler(tiny_checkpoint(PRESET), **overrides)
+    results = run_to_completion(scheduler, [greedy(str(i), ids) for i, ids in enumerate(prompts(16))])
+    for i, expected in alone_outputs.items():
+        assert results[str(i)].output_ids == expected, f"request {i}"
+    assert_idle_and_consistent(scheduler)
+
+
+def test_retraction_under_a_tiny_kv_budget_keeps_outputs(tiny_checkpoint, alone_outputs) -> None:
+    # 16 prompts of up to 70 tokens + 8 outputs need ~650 slots at once; 200 forces retraction
+    scheduler = make_scheduler(tiny_checkpoint(PRESET), max_total_tokens=200, chunked_prefill_size=32)
+    results = run_to_completion(scheduler, [greedy(str(i), ids) for i, ids in enumerate(prompts(16))])
+    assert scheduler.num_retractions > 0
+    for i, expected in alone_outputs.items():
+        assert results[str(i)].output_ids == expected, f"request {i}"
+    assert_idle_and_consistent(scheduler)
+
+
+def test_shared_prefix_hits_cache_with_same_output(tiny_checkpoint) -> None:
+    shared = prompts(1, seed=5, low=60, high=61)[0]
+    first, second = shared + [11, 12, 13], shared + [21, 22]
+    cached = make_scheduler(tiny_checkpoint(PRESET))
+    run_to_completion(cached, [greedy("a", first)])
+    hit = run_to_completion(cached, [greedy("b", second)])["b"]
+    plain = run_to_completion(make_scheduler(tiny_checkpoint(PRESET), disable_radix_cache=True), [greedy("b", second)])
+    assert hit.cached_tokens > 0
+    assert plain["b"].cached_tokens == 0
+    assert hit.output_ids == plain["b"].output_ids
+    assert_idle_and_consistent(cached)
+
+
+def test_seeded_sampling_reproduces(tiny_checkpoint) -> None:
+    params = dict(temperature=1.0, top_p=0.9, max_new_tokens=12, ignore_eos=True)
+    ids = prompts(1, seed=3)[0]
+
+    def run(seed: int, neighbours: int) -> list[int]:
+        scheduler = make_scheduler(tiny_checkpoint(PRESET))
+        requests = [TokenizedGenerateReq("x", ids, SamplingParams(seed=seed, **params))]
+        requests += [greedy(f"n{i}", p) for i, p in enumerate(prompts(neighbours, seed=9))]
+        out = run_to_completion(scheduler, requests)["x"].output_ids
+        assert_idle_and_consistent(scheduler)
+        return out
+
+    assert run(7, 0) == run(7, 3)
+    assert run(7, 0) != run(8, 0)
+
+
+def test_logprobs_match_transformers(tiny_checkpoint) -> None:
+    path = tiny_checkpoint(PRESET)
+    ids = prompts(1, seed=4, low=20, high=21)[0]
+    scheduler = make_scheduler(path, chunked_prefill_size=8)
+    request = greedy("p", ids, max_new_tokens=4, return_logprob=True, logprob_start_len=3, top_logprobs_num=2)
+    result = run_to_completion(scheduler, [request])["p"]
+
+    reference = ReferenceModel.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    full = ids + result.output_ids
+    with torch.no_grad():
+        logprobs = torch.log_softmax(reference(torch.tensor([full])).logits[0].double(), dim=-1)
+    # prompt tokens 3 .. n-1 are scored by rows 2 .. n-2
+    assert [lp.token_id for lp in result.input_logprobs] == ids[3:]
+    for offset, lp in enumerate(result.input_logprobs):
+        row = 2 + offset
+        assert lp.logprob == pytest.approx(float(logprobs[row, ids[row + 1]]), abs=1e-4)
+        top = torch.topk(logprobs[row], 2)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+    for step, lp in enumerate(result.output_logprobs):
+        row = len(ids) - 1 + step
+        assert lp.token_id == result.output_ids[step]
+        assert lp.logprob == pytest.approx(float(logprobs[row, lp.token_id]), abs=1e-4)
+    assert_idle_and_consistent(scheduler)
+
+
+def test_abort_frees_waiting_and_running_requests(tiny_checkpoint) -> None:
+    scheduler = make_scheduler(tiny_checkpoint(PRESET), max_running_requests=2)
+    for i, ids in enumerate(prompts(4, seed=2)):
+        scheduler.add_request(greedy(str(i), ids, max_new_tokens=50))
+    scheduler.step()
+    scheduler.step()
+    assert scheduler.running and scheduler.waiting
+    for rid in ("0", "1", "2", "3"):
+        output = scheduler.abort(rid)
+        assert output is not None and output.finished_reason.kind == "abort"
+    assert_idle_and_consistent(scheduler)
+
+
+def test_bad_requests_are_rejected_with_the_field_named(tiny_checkpoint) -> None:
+    scheduler = make_scheduler(tiny_checkpoint(PRESET))
+    with pytest.raises(ValueError, match="input_ids"):
+        scheduler.add_request(greedy("a", [5, 999999]))
+    with pytest.raises(ValueError, match="input_ids"):
+        scheduler.add_request(greedy("a", []))
+    with pytest.raises(ValueError, match="temperature"):
+        scheduler.add_request(TokenizedGenerateReq("a", [5, 6], SamplingParams(temperature=-1.0)))
+    with pytest.raises(ValueError, match="logprob_start_len"):
+        scheduler.add_request(greedy("a", [5, 6], logprob_start_len=9, return_logprob=True))
+    assert_idle_and_consistent(scheduler)
