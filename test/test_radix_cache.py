@@ -144,9 +144,10 @@ def test_chunk_cache_caches_nothing() -> None:
     m = cache.match_prefix([1, 2, 3])
     assert ids(m.slots) == [] and m.node is cache.root
     cache.lock(m.node)
-    m = cache.cache_unfinished([1, 2], alloc.alloc(2), m)  # keeps its own slots 1 2
-    assert ids(m.slots) == [1, 2]
-    row = torch.cat([m.slots, alloc.alloc(1)])
+    chunk = alloc.alloc(2)  # slots 1 2
+    m = cache.cache_unfinished([1, 2], chunk, m)
+    assert ids(m.slots) == [] and m.node is cache.root  # nothing cached: the request keeps owning 1 2
+    row = torch.cat([chunk, alloc.alloc(1)])
     cache.check_integrity(request_slots=row)
     cache.cache_finished([1, 2, 3], row, m)
     assert ids(alloc.free_slots()[-3:]) == [1, 2, 3]
@@ -156,3 +157,15 @@ def test_chunk_cache_caches_nothing() -> None:
     cache.check_integrity(request_slots=torch.tensor([], dtype=torch.int64))
     with pytest.raises(ValueError, match="without a matching lock"):
         cache.unlock(cache.root)
+
+
+def test_release_drops_a_request_without_caching_it() -> None:
+    alloc, cache = new_cache(8)
+    cache.insert([1, 2], alloc.alloc(2))
+    m = cache.match_prefix([1, 2, 3])
+    cache.lock(m.node)
+    row = torch.cat([m.slots, alloc.alloc(2)])  # slots 1 2 | 3 4
+    cache.release(row, m)
+    assert ids(alloc.free_slots()[-2:]) == [3, 4]
+    assert ids(cache.match_prefix([1, 2, 3]).slots) == [1, 2] and cache.evictable() == 2
+    cache.check_integrity(request_slots=torch.tensor([], dtype=torch.int64))

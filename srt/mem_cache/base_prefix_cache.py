@@ -16,10 +16,11 @@ Contracts (the scheduler is the caller; `cache` is any PrefixCache):
   needed), `cache.lock(m.node)`, allocate slots for the rest, write `m.slots` + the new slots to the row.
   With an SWA allocator the request's SWA-freeing cursor starts at `m.prefix_len` (the cache owns the rest).
 - Chunked prefill, after each chunk: `m = cache.cache_unfinished(ids[:kv_len], row[:kv_len], m)`, then
-  write `m.slots` over row[:kv_len] (duplicate slots were replaced by the cache's own) and keep `m`.
-- Finish, abort or retract: `cache.cache_finished(ids[:kv_len], row[:kv_len], m)`, then free any slot
-  allocated beyond kv_len (a token sampled but never run) and the request row. Afterwards the request
-  owns nothing.
+  write `m.slots` over row[:m.prefix_len] (duplicate slots were replaced by the cache's own), keep `m`, and
+  move the SWA-freeing cursor up to `m.prefix_len`.
+- Finish, abort or retract: `cache.cache_finished(ids[:kv_len], row[:kv_len], m)` keeps the computed KV
+  for later requests; `cache.release(row[:kv_len], m)` drops it instead. Then free any slot allocated beyond
+  kv_len (a token sampled but never run) and the request row. Afterwards the request owns nothing.
 - Memory short: `cache.evict(n)` frees at least n full-pool slots if that many are evictable; retract
   requests when it cannot.
 
@@ -113,13 +114,19 @@ class PrefixCache(ABC):
     ) -> MatchResult:
         """Cache a running request's tokens so far and move its lock from `match.node` to the new end.
 
-        Returns the request's new prefix: the caller writes its slots over the row and keeps it locked.
+        Returns the request's new cached prefix (locked): the caller writes its slots over
+        row[:prefix_len] and keeps the result for the next call.
         """
 
     def cache_finished(self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult) -> None:
         """Cache a request that finished (or was aborted / retracted) and drop its lock."""
         already_cached = self.insert(token_ids, slots)
         self._free_duplicates(slots, match.prefix_len, already_cached)
+        self.unlock(match.node)
+
+    def release(self, slots: torch.Tensor, match: MatchResult) -> None:
+        """Drop a request without caching anything: free the slots it owns and its lock."""
+        self._free_duplicates(slots, match.prefix_len, len(slots))
         self.unlock(match.node)
 
     def total(self) -> int:

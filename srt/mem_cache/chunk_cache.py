@@ -57,13 +57,8 @@ class ChunkCache(PrefixCache):
     def cache_unfinished(
         self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult
     ) -> MatchResult:
-        """The request keeps its own slots; its lock on the root stays as it is."""
-        return MatchResult(slots.to(torch.int64), match.node)
-
-    def cache_finished(self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult) -> None:
-        # The row's first prefix_len slots came from cache_unfinished: the request's own, freed with the rest.
-        self.insert(token_ids, slots)
-        self.unlock(match.node)
+        """Nothing is cached: the request keeps owning all its slots and its (empty) prefix stays as it is."""
+        return match
 
     def stats(self) -> CacheStats:
         total, free = self._full.size, self._full.available()
