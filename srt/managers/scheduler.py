@@ -239,9 +239,12 @@ class Scheduler:
 
     def _make_room(self, num_tokens: int) -> bool:
         """Ensure `num_tokens` slots can be allocated, evicting unlocked cache entries if needed."""
-        short = num_tokens - self.allocator.available()
-        if short > 0:
-            self.cache.evict(short)
+        full_short = num_tokens - self.allocator.full.available()
+        if full_short > 0:
+            self.cache.evict(full_short)
+        swa_short = num_tokens - self.allocator.swa.available()
+        if swa_short > 0 and isinstance(self.cache, SWARadixCache):
+            self.cache.evict_swa(swa_short)  # tombstones cached prompts' sliding-window KV, LRU first
         return self.allocator.available() >= num_tokens
 
     # ---- checks --------------------------------------------------------------------------------------------
