@@ -67,3 +67,88 @@ class ReqOutput:
     @property
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+
+# ---- between the serving processes (see srt/managers/scheduler_process.py) ---------------------------------
+
+
+@dataclass
+class DetokenizeInit:
+    """Scheduler -> detokenizer, before any output of the request: how to turn its tokens into text."""
+
+    rid: str
+    stop: list[str]
+    skip_special_tokens: bool
+
+
+@dataclass
+class BatchTokenIDOut:
+    """Scheduler -> detokenizer: the outputs of one scheduler step."""
+
+    outputs: list[ReqOutput]
+
+
+@dataclass
+class StrOutput:
+    """Detokenizer -> tokenizer manager: one request's step output with the text its new tokens add.
+
+    When a stop string ended the request, `output` is cut after the token that completed it and its
+    finish reason says which string matched; `text` never contains the stop string.
+    """
+
+    output: ReqOutput
+    text: str
+
+
+@dataclass
+class BatchStrOut:
+    outputs: list[StrOutput]
+
+
+@dataclass
+class GenerateError:
+    """Scheduler -> tokenizer manager (through the detokenizer): the request was refused."""
+
+    rid: str
+    message: str
+
+
+@dataclass
+class StatsReq:
+    """Ask the scheduler for a `SchedulerStats` snapshot (answered through the detokenizer)."""
+
+    req_id: int
+
+
+@dataclass
+class PoolStats:
+    """Token counts of one KV pool. free + cached + in_use == total; evictable <= cached."""
+
+    total: int
+    free: int
+    cached: int
+    evictable: int
+    in_use: int
+
+
+@dataclass
+class SchedulerStats:
+    req_id: int
+    num_running: int
+    num_waiting: int
+    pools: dict[str, PoolStats]
+    num_retractions: int
+    generated_tokens_total: int  # every token the scheduler sampled, including ones cut by a stop string
+
+
+@dataclass
+class SchedulerInfo:
+    """What the scheduler process reports once its model is loaded."""
+
+    context_len: int
+    vocab_size: int
+    max_total_tokens: int
+    max_swa_tokens: int
+    eos_token_ids: list[int]
+    device: str
+    dtype: str
