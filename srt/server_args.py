@@ -14,8 +14,11 @@ ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 
 
-def _arg(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _arg(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
 
 
 @dataclass
@@ -24,6 +27,7 @@ class ServerArgs:
         "",
         "Model to serve: a Hugging Face checkpoint directory, a model name in the local Hugging Face cache, "
         "or a built-in preset name (e.g. gemma-4-E4B-it) together with --load-format dummy.",
+        aliases=("--model",),
     )
     tokenizer_path: str | None = _arg(None, "Tokenizer directory (default: the model directory).")
     load_format: str = _arg(
@@ -57,6 +61,16 @@ class ServerArgs:
         "lpm", "Admission order: lpm = longest cached prefix first, fcfs = arrival order.", SCHEDULE_POLICIES
     )
     disable_radix_cache: bool = _arg(False, "Do not reuse KV of shared prompt prefixes across requests.")
+    # ---- serving ----
+    host: str = _arg("127.0.0.1", "Address the HTTP server listens on (0.0.0.0: every interface).")
+    port: int = _arg(30000, "Port of the HTTP server.")
+    served_model_name: str | None = _arg(
+        None, "Model name the OpenAI API reports and accepts (default: the --model argument as given)."
+    )
+    log_interval: float = _arg(
+        10.0, "Seconds between status log lines (requests, KV usage, throughput) while busy; 0: never."
+    )
+    log_level: str = _arg("info", "Log level of every serving process.", LOG_LEVELS)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -79,18 +93,23 @@ class ServerArgs:
             raise ValueError(f"chunked_prefill_size must be >= 0; got {self.chunked_prefill_size}")
         if self.max_running_requests <= 0:
             raise ValueError(f"max_running_requests must be > 0; got {self.max_running_requests}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535]; got {self.port}")
+        if self.log_interval < 0:
+            raise ValueError(f"log_interval must be >= 0; got {self.log_interval}")
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """One `--flag` per field, with the field's help text and default."""
         for f in dataclasses.fields(ServerArgs):
-            flag = "--" + f.name.replace("_", "-")
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             kind = _cli_type(f)
             if kind is bool:
-                parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+                parser.add_argument(*flags, dest=f.name, action="store_true", help=f.metadata["help"])
                 continue
             parser.add_argument(
-                flag,
+                *flags,
+                dest=f.name,
                 type=kind,
                 default=f.default,
                 choices=f.metadata.get("choices"),
