@@ -10,6 +10,7 @@ import torch
 class LogitsOutput(NamedTuple):
     logits: torch.Tensor  # [rows, vocab] float32, softcapped
     hidden_states: torch.Tensor  # [rows, hidden] final-norm hidden states of those rows (MTP drafts from them)
+    yoco_skipped_rows: int = 0  # rows of the batch the KV-shared layers skipped (YOCO fast prefill)
 
 
 def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, softcap: float | None) -> torch.Tensor:

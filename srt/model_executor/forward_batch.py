@@ -10,7 +10,10 @@ whose KV is already in the pools; a fresh prompt, a prefix-cache hit, a prefill 
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import enum
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +48,7 @@ class ForwardBatch:
     extend_prefix_lens: torch.Tensor  # [batch]
     extend_seq_lens: torch.Tensor  # [batch]
     out_cache_loc: torch.Tensor  # [tokens] full-pool slots the new tokens' KV goes to
-    logits_rows: torch.Tensor  # rows whose logits the caller needs
+    logits_rows: torch.Tensor  # rows whose logits the caller needs, ascending
     req_to_token_pool: ReqToTokenPool
     kv_pool: HybridKVPool
     # host copies, so per-request loops need no device sync
@@ -69,6 +72,55 @@ class ForwardBatch:
             starts.append(total)
             total += n
         return starts
+
+    def select_rows(self, rows: torch.Tensor | list[int]) -> ForwardBatch:
+        """The batch restricted to query rows `rows` (ascending; each request's chosen rows contiguous).
+
+        Requests keep their slot, `req_pool_indices` and `seq_lens`: each chosen row still attends over its
+        request's whole prefix, whose KV is already in the pools. A request may keep 0 rows. Every row of the
+        result is a logits row. Attention metadata is left for the caller to build for the subset:
+
+            rows:      | req 0: p0 .. s0-1 | req 1: p1 .. s1-1 |        (this batch)
+            chosen:              ^^ s0-2, s0-1          ^ s1-1
+            subset:    | req 0: s0-2 s0-1 | req 1: s1-1 |             extend_seq_lens [2, 1]
+        """
+        chosen = rows.tolist() if isinstance(rows, torch.Tensor) else list(rows)
+        if any(b <= a for a, b in itertools.pairwise(chosen)) or (
+            chosen and (chosen[0] < 0 or chosen[-1] >= self.num_tokens)
+        ):
+            raise ValueError(f"rows must be ascending, unique and in 0..{self.num_tokens - 1}; got {chosen}")
+        starts = self.extend_start_loc_cpu
+        counts = [0] * self.batch_size
+        firsts: list[int | None] = [None] * self.batch_size
+        for row in chosen:
+            # the last request starting at or before `row` holds it (requests with 0 rows share their start)
+            req = bisect.bisect_right(starts, row) - 1
+            if firsts[req] is None:
+                firsts[req] = row
+            elif firsts[req] + counts[req] != row:
+                raise ValueError(f"rows of request {req} are not contiguous: {chosen}")
+            counts[req] += 1
+        # a request's first chosen row sits at position prefix + (row - start): tokens before it have KV
+        prefix_lens = [
+            seq_len if first is None else prefix + first - start
+            for seq_len, prefix, first, start in zip(
+                self.seq_lens_cpu, self.extend_prefix_lens_cpu, firsts, starts, strict=True
+            )
+        ]
+        device = self.input_ids.device
+        index = torch.tensor(chosen, dtype=torch.int64, device=device)
+        return dataclasses.replace(
+            self,
+            input_ids=self.input_ids[index],
+            positions=self.positions[index],
+            extend_prefix_lens=torch.tensor(prefix_lens, dtype=self.extend_prefix_lens.dtype, device=device),
+            extend_seq_lens=torch.tensor(counts, dtype=self.extend_seq_lens.dtype, device=device),
+            out_cache_loc=self.out_cache_loc[index],
+            logits_rows=torch.arange(len(chosen), dtype=torch.int64, device=device),
+            extend_prefix_lens_cpu=prefix_lens,
+            extend_seq_lens_cpu=counts,
+            attn_metadata=None,
+        )
 
     @classmethod
     def build(

@@ -61,6 +61,8 @@ class ModelRunner:
         if backend == "auto":
             backend = "torch_native"
         self.attn_backend = create_attention_backend(backend)
+        # rows the KV-shared layers did not run on, over every forward so far (YOCO fast prefill; /metrics)
+        self.yoco_rows_skipped_total = 0
         logger.info(
             "model ready: %s on %s (%s), KV pools: full %d tokens, swa %d tokens, attention %s",
             server_args.model_path,
@@ -76,4 +78,14 @@ class ModelRunner:
         return full, full
 
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
-        return self.model(batch, self.attn_backend)
+        """Logits of `batch.logits_rows`; KV of the batch's new tokens is written to the pools."""
+        output = self.model(batch, self.attn_backend)
+        if output.yoco_skipped_rows:
+            self.yoco_rows_skipped_total += output.yoco_skipped_rows
+            logger.debug(
+                "YOCO: KV-shared layers skipped %d of %d rows (%d in total)",
+                output.yoco_skipped_rows,
+                batch.num_tokens,
+                self.yoco_rows_skipped_total,
+            )
+        return output

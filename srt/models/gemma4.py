@@ -4,9 +4,23 @@ Numerically it follows transformers' modeling_gemma4.py; parameter names are the
 Face directory loads as it is. What differs is the execution: a flat batch of token rows (ForwardBatch),
 KV written to and read from the pools through an attention backend, KV-shared layers with no K/V weights
 reading their owner's buffers, and logits only for the rows the caller needs.
+
+YOCO fast prefill (E2B, E4B): the KV-shared layers write no KV, so nothing later reads their output at a row
+whose logits nobody needs. Before the first of them the batch shrinks to its logits rows:
+
+    layers 0 .. first_shared-1   every row (they write the KV every later row reads)
+    gather logits_rows           hidden, per-layer inputs, cos/sin, ForwardBatch.select_rows + metadata
+    layers first_shared .. end   logits rows only, each attending over its request's whole prefix
+    final norm, LM head          logits rows
+
+`GEMMA4_YOCO=0` (read when the model is built) runs every layer on every row instead, for A/B runs.
 """
 
 from __future__ import annotations
+
+import logging
+import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +34,15 @@ from srt.layers.moe.experts import Experts
 from srt.layers.moe.router import Router
 from srt.layers.rotary import RotaryEmbedding, apply_rotary
 from srt.model_executor.forward_batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+YOCO_ENV = "GEMMA4_YOCO"
+
+
+def yoco_enabled_by_env() -> bool:
+    """False only when the environment says `GEMMA4_YOCO=0` (YOCO is on by default)."""
+    return os.environ.get(YOCO_ENV, "1").strip() != "0"
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -136,6 +159,11 @@ class Gemma4DecoderLayer(nn.Module):
         return hidden * self.layer_scalar
 
 
+class TextModelOutput(NamedTuple):
+    hidden_states: torch.Tensor  # [logits rows, hidden] after the final norm
+    yoco_skipped_rows: int  # rows the KV-shared layers did not run on (0 without YOCO)
+
+
 class Gemma4TextModel(nn.Module):
     """Embeddings, per-layer inputs (PLE), decoder layers, final norm. Parameter prefix `model.`."""
 
@@ -153,6 +181,20 @@ class Gemma4TextModel(nn.Module):
             self.embed_tokens_per_layer = ScaledEmbedding(hf.vocab_size_per_layer_input, total, self.ple_dim**0.5)
             self.per_layer_model_projection = nn.Linear(hf.hidden_size, total, bias=False)
             self.per_layer_projection_norm = RMSNorm(self.ple_dim, hf.rms_norm_eps)
+        # the layer at which the batch shrinks to its logits rows (YOCO); None runs every row through
+        self.yoco_layer: int | None = None
+        self.set_yoco(yoco_enabled_by_env())
+        if config.first_kv_shared_layer is None:
+            logger.info("YOCO fast prefill: n/a (no KV-shared layers)")
+        elif self.yoco_layer is None:
+            logger.info("YOCO fast prefill: off (%s=0)", YOCO_ENV)
+        else:
+            logger.info(
+                "YOCO fast prefill: on (layers %d..%d run on logits rows only; %s=0 turns it off)",
+                self.yoco_layer,
+                config.num_layers - 1,
+                YOCO_ENV,
+            )
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[tokens, layers, ple_dim]: (projection of the embedding + token's own PLE row) / sqrt(2)."""
@@ -162,19 +204,38 @@ class Gemma4TextModel(nn.Module):
         identity = self.embed_tokens_per_layer(input_ids).view(tokens, self.config.num_layers, self.ple_dim)
         return (projected + identity) * 2.0**-0.5
 
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """Final-norm hidden states [tokens, hidden] of every row of the batch."""
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> TextModelOutput:
+        """Final-norm hidden states of the batch's logits rows; attention metadata must be built for `batch`."""
         hidden = self.embed_tokens(batch.input_ids)
         per_layer = self.per_layer_inputs(batch.input_ids, hidden) if self.ple_dim else None
         cos_sin = {
             layer_type: self.rotary.cos_sin(batch.positions, layer_type, hidden.dtype)
             for layer_type in self.rotary.layer_types
         }
+        # with every row needed (decode, verify, all prompt logprobs) there is nothing to save
+        gather_at = self.yoco_layer if len(batch.logits_rows) < batch.num_tokens else None
+        skipped = 0
         for i, layer in enumerate(self.layers):
+            if i == gather_at:
+                rows = batch.logits_rows
+                skipped = batch.num_tokens - len(rows)
+                hidden = hidden[rows]
+                per_layer = per_layer[rows] if per_layer is not None else None
+                cos_sin = {t: (cos[rows], sin[rows]) for t, (cos, sin) in cos_sin.items()}
+                batch = batch.select_rows(rows)
+                if not batch.num_tokens:
+                    break  # an intermediate prefill chunk: the shared layers have no row to run
+                backend.init_forward_metadata(batch)
             spec = self.config.layers[i]
             layer_input = per_layer[:, i] if per_layer is not None else None
             hidden = layer(hidden, layer_input, cos_sin[spec.layer_type], batch, backend)
-        return self.norm(hidden)
+        if gather_at is None:
+            hidden = hidden[batch.logits_rows]
+        return TextModelOutput(self.norm(hidden), skipped)
+
+    def set_yoco(self, enabled: bool) -> None:
+        """Run the KV-shared layers on logits rows only (when the checkpoint has any); for A/B runs."""
+        self.yoco_layer = self.config.first_kv_shared_layer if enabled else None
 
 
 class Gemma4ForCausalLM(nn.Module):
@@ -195,6 +256,6 @@ class Gemma4ForCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> LogitsOutput:
         backend.init_forward_metadata(batch)
-        hidden = self.model(batch, backend)[batch.logits_rows]
+        hidden, skipped = self.model(batch, backend)
         softcap = self.config.hf_text_config.final_logit_softcapping
-        return LogitsOutput(compute_logits(hidden, self.lm_head_weight, softcap), hidden)
+        return LogitsOutput(compute_logits(hidden, self.lm_head_weight, softcap), hidden, skipped)
