@@ -80,8 +80,10 @@ def test_greedy_tokens_and_logits_match_transformers_fp32(tiny_checkpoint, varia
     noise = reference_float32_noise(path)
     print(f"{variant} float32: max relative logit error {worst:.2e} (transformers fp32 vs fp64: {noise:.2e})")
     assert worst < max(FP32_REL_TOL, 2 * noise)
-    runner.token_allocator.check_integrity()
-    assert runner.token_allocator.available() == runner.token_allocator.full_size
+    allocator = runner.token_allocator
+    allocator.check_integrity()
+    assert allocator.full.available() == allocator.full_size
+    assert allocator.swa.available() == allocator.swa_size
 
 
 @pytest.mark.parametrize("variant", ["tiny-gemma-4-E4B-it", "tiny-gemma-4-26B-A4B-it"])

@@ -6,12 +6,14 @@ import logging
 from pathlib import Path
 
 import torch
+from transformers import GenerationConfig
 
 from srt.configs.model_config import ModelConfig, resolve_dtype
 from srt.layers.attention import create_attention_backend
 from srt.layers.logits_processor import LogitsOutput
 from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.kv_pool import HybridKVPool
+from srt.mem_cache.memory_plan import plan_memory
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_loader.loader import load_model
@@ -59,7 +61,7 @@ class ModelRunner:
         self.kv_pool = HybridKVPool(self.model_config.layers, self.token_allocator, self.dtype, self.device)
         backend = server_args.attention_backend
         if backend == "auto":
-            backend = "torch_native"
+            backend = "triton" if self.device.type == "cuda" else "torch_native"
         self.attn_backend = create_attention_backend(backend)
         # rows the KV-shared layers did not run on, over every forward so far (YOCO fast prefill; /metrics)
         self.yoco_rows_skipped_total = 0
@@ -73,9 +75,38 @@ class ModelRunner:
             backend,
         )
 
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """EOS ids of the config and of generation_config.json (Gemma's end-of-turn token is only there)."""
+        ids = set(self.model_config.eos_token_ids)
+        path = Path(self.server_args.model_path)
+        if (path / "generation_config.json").is_file():
+            eos = GenerationConfig.from_pretrained(str(path)).eos_token_id
+            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        return sorted(ids)
+
     def _pool_sizes(self) -> tuple[int, int]:
-        full = self.server_args.max_total_tokens or CPU_DEFAULT_TOTAL_TOKENS
-        return full, full
+        """(full, swa) pool tokens: --max-total-tokens, else --mem-fraction-static of the GPU's memory."""
+        args = self.server_args
+        weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        device_memory = None
+        max_total_tokens = args.max_total_tokens
+        if self.device.type == "cuda":
+            device_memory = torch.cuda.get_device_properties(self.device).total_memory
+        elif max_total_tokens is None:
+            max_total_tokens = CPU_DEFAULT_TOTAL_TOKENS  # no device memory to size from
+        plan = plan_memory(
+            self.model_config,
+            self.dtype,
+            weight_bytes,
+            device_memory_bytes=device_memory,
+            mem_fraction_static=args.mem_fraction_static,
+            max_total_tokens=max_total_tokens,
+            swa_full_tokens_ratio=args.swa_full_tokens_ratio,
+        )
+        logger.info("KV memory: %s", plan.summary())
+        self.memory_plan = plan
+        return plan.full_tokens, plan.swa_tokens
 
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
         """Logits of `batch.logits_rows`; KV of the batch's new tokens is written to the pools."""

@@ -6,6 +6,7 @@ tests use it. Serving goes through the scheduler instead.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ from srt.model_executor.model_runner import ModelRunner
 class StaticBatchResult:
     output_ids: list[list[int]]  # greedy tokens per prompt
     step_logits: list[torch.Tensor]  # per step (prefill first), [batch, vocab] float32 on the CPU
+    step_seconds: list[float]  # wall time of each forward, device synchronised
 
 
 def generate_greedy(runner: ModelRunner, prompts: list[list[int]], max_new_tokens: int) -> StaticBatchResult:
@@ -28,7 +30,7 @@ def generate_greedy(runner: ModelRunner, prompts: list[list[int]], max_new_token
         seq_lens = [0] * len(prompts)
         new_tokens = [list(p) for p in prompts]
         outputs: list[list[int]] = [[] for _ in prompts]
-        step_logits = []
+        step_logits, step_seconds = [], []
         for step in range(max_new_tokens):
             slots = runner.token_allocator.alloc(sum(len(t) for t in new_tokens))
             owned.append(slots)
@@ -48,14 +50,16 @@ def generate_greedy(runner: ModelRunner, prompts: list[list[int]], max_new_token
                 req_to_token_pool=runner.req_to_token_pool,
                 kv_pool=runner.kv_pool,
             )
+            start = time.perf_counter()
             logits = runner.forward(batch).logits
-            step_logits.append(logits.cpu())
+            step_logits.append(logits.cpu())  # the copy synchronises the device
+            step_seconds.append(time.perf_counter() - start)
             next_ids = logits.argmax(dim=-1).tolist()
             seq_lens = batch.seq_lens_cpu
             for i, token in enumerate(next_ids):
                 outputs[i].append(token)
             new_tokens = [[token] for token in next_ids]
-        return StaticBatchResult(outputs, step_logits)
+        return StaticBatchResult(outputs, step_logits, step_seconds)
     finally:
         for slots in owned:
             runner.token_allocator.free(slots)
