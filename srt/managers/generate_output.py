@@ -23,6 +23,7 @@ class TokenTexts:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self.special_ids = frozenset(tokenizer.all_special_ids)
         self.text = lru_cache(maxsize=1 << 16)(self._text)
         self.bytes = lru_cache(maxsize=1 << 16)(self._bytes)
         self._byte_decoder = {char: byte for byte, char in _bytes_to_unicode().items()}
@@ -35,7 +36,7 @@ class TokenTexts:
         piece = self.tokenizer.convert_ids_to_tokens(token_id)
         if piece is None:
             return b""
-        if token_id not in self.tokenizer.all_special_ids and all(c in self._byte_decoder for c in piece):
+        if token_id not in self.special_ids and all(c in self._byte_decoder for c in piece):
             return bytes(self._byte_decoder[c] for c in piece)  # byte-level BPE (GPT-2 alphabet)
         if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
             return bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import tempfile
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -68,12 +69,15 @@ def socket(context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Soc
 
 
 def setup_child(name: str, log_level: str) -> None:
-    """Common start of every child: name its log lines, and leave Ctrl-C to the parent.
+    """Common start of every child: name its log lines, exit cleanly on SIGTERM, leave Ctrl-C to the parent.
 
     A terminal's Ctrl-C reaches the whole process group; the parent then shuts its children down in order,
     so a child that also reacted would only print a second traceback.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM (the parent's shutdown) unwinds normally, so that multiprocessing's finalizers release what
+    # they registered instead of leaving the resource tracker to warn about it.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     logging.basicConfig(
         level=log_level.upper(), format=f"[%(asctime)s {name}] %(levelname)s %(name)s: %(message)s", force=True
     )

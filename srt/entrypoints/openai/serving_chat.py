@@ -82,8 +82,8 @@ class ChatRun:
             async for index, chunk in chunks:
                 meta = metas[index] = chunk["meta_info"]
                 reason = finish_reason(meta)
-                if not chunk["text"] and not chunk["output_ids"] and reason is None:
-                    continue
+                if not chunk["text"] and reason is None and not (self.request.logprobs and chunk["output_ids"]):
+                    continue  # tokens held back (half a character, a possible stop string): nothing to show yet
                 choice = {
                     "index": index,
                     "delta": {"content": chunk["text"]} if chunk["text"] else {},

@@ -68,7 +68,11 @@ class CompletionRun:
         try:
             async for index, chunk in chunks:
                 metas[index] = chunk["meta_info"]
-                choice = self._choice(index, chunk, first=index not in started)
+                first = index not in started
+                shows = chunk["text"] or self.request.logprobs is not None or (first and self.request.echo)
+                if not shows and finish_reason(chunk["meta_info"]) is None:
+                    continue  # tokens held back (half a character, a possible stop string): nothing to show yet
+                choice = self._choice(index, chunk, first=first)
                 started.add(index)
                 yield sse({**self._envelope(), "choices": [choice]})
             if self.request.include_usage:
@@ -127,7 +131,8 @@ def completion_logprobs(texts: TokenTexts, entries: list[list], tops: list, k: i
         tokens.append(token)
         token_logprobs.append(logprob)
         offsets.append(offset)
-        offset += len(token)
+        if token_id not in texts.special_ids:  # the text skips special tokens (<bos>), so their offset does not move
+            offset += len(token)
         if logprob is None:
             top_logprobs.append(None)
             continue
