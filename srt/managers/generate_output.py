@@ -29,7 +29,12 @@ class TokenTexts:
         self._byte_decoder = {char: byte for byte, char in _bytes_to_unicode().items()}
 
     def _text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """The token's text; a token holding part of a UTF-8 character is shown as OpenAI does, by its bytes
+        ("bytes:\\xe4\\xbd"), so that different partial tokens never share a name."""
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" in text:
+            return "bytes:" + "".join(f"\\x{byte:02x}" for byte in self.bytes(token_id))
+        return text
 
     def _bytes(self, token_id: int) -> bytes:
         """The token's exact bytes (part of a UTF-8 character stays partial, unlike its text)."""

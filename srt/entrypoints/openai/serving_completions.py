@@ -125,14 +125,15 @@ def completion_logprobs(texts: TokenTexts, entries: list[list], tops: list, k: i
     whether the choice was the most likely one.
     """
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    offset = 0
+    seen = b""
     for i, (logprob, token_id, _) in enumerate(entries):
         token = texts.text(token_id)
         tokens.append(token)
         token_logprobs.append(logprob)
-        offsets.append(offset)
-        if token_id not in texts.special_ids:  # the text skips special tokens (<bos>), so their offset does not move
-            offset += len(token)
+        # character offset into the text, which skips special tokens and joins partial characters
+        offsets.append(len(seen.decode(errors="ignore")))
+        if token_id not in texts.special_ids:
+            seen += texts.bytes(token_id)
         if logprob is None:
             top_logprobs.append(None)
             continue
