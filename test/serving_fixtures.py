@@ -96,6 +96,14 @@ def child_pids(pid: int) -> set[int]:
     return found
 
 
+def is_resource_tracker(pid: int) -> bool:
+    """multiprocessing's resource tracker: one per process that ever spawned, living as long as that process."""
+    try:
+        return b"resource_tracker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
 def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
