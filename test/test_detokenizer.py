@@ -87,3 +87,22 @@ def test_stop_string_completed_by_the_flush(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, stop=["你"])
     text = "".join(detok.add([t], finished=i == len(ids) - 1).text for i, t in enumerate(ids))
     assert text == "say " and detok.stopped == "你"
+
+
+def test_detokenizer_process_decodes_as_transformers(tokenizer, tmp_path):
+    """The detokenizer process decodes with `tokenizers` directly; it must agree with transformers."""
+    from transformers import AutoTokenizer
+
+    from srt.managers.tokenizer_loader import TokenizersDecoder, load_decoder
+    from srt.server_args import ServerArgs
+
+    tokenizer.save_pretrained(tmp_path)
+    decoder = load_decoder(ServerArgs(model_path=str(tmp_path)))
+    assert isinstance(decoder, TokenizersDecoder)
+    reference = AutoTokenizer.from_pretrained(tmp_path)
+    ids = list(range(1024)) + tokenizer.encode(TEXT)
+    for skip in (True, False):
+        for start in range(0, len(ids), 37):
+            window = ids[start : start + 53]
+            want = reference.decode(window, skip_special_tokens=skip)
+            assert decoder.decode(window, skip_special_tokens=skip) == want

@@ -28,7 +28,7 @@ from srt.managers.io_struct import (
     StrOutput,
 )
 from srt.managers.ipc import PARENT_CHECK_INTERVAL_S, PortArgs, ReadyReport, parent_alive, report, setup_child, socket
-from srt.managers.tokenizer_loader import load_tokenizer
+from srt.managers.tokenizer_loader import load_decoder
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ def run_detokenizer_process(
     """Process entry point: load the tokenizer, report readiness (or the error), then serve until orphaned."""
     setup_child("detokenizer", server_args.log_level)
     try:
-        manager = DetokenizerManager(load_tokenizer(server_args), port_args)
+        manager = DetokenizerManager(load_decoder(server_args), port_args)
     except Exception:
         report(ready_pipe, ReadyReport(ok=False, error=traceback.format_exc()))
         return
