@@ -21,7 +21,6 @@ from serving_fixtures import (
 from transformers import AutoTokenizer
 
 from srt import Engine
-from srt.entrypoints.launch_server import parse_args
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3, 4,"]
 NEW_TOKENS = 6
@@ -150,10 +149,3 @@ def test_startup_failure_names_the_child_and_its_error(model, tmp_path, child_en
     assert "Traceback" in str(failure.value)
     left = {pid for pid in child_pids(os.getpid()) - before if not is_resource_tracker(pid)}
     assert not left  # the detokenizer was stopped too
-
-
-def test_unknown_model_says_what_was_tried(capsys):
-    with pytest.raises(SystemExit):
-        parse_args(["--model", "no-such-model-anywhere"])
-    message = capsys.readouterr().err
-    assert "Hugging Face cache" in message and "--load-format dummy" in message and "google/no-such" in message

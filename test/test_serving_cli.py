@@ -1,0 +1,101 @@
+"""launch_server's command line, `--model` resolution, and the split of a generate request (no processes)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from srt.entrypoints.launch_server import parse_args
+from srt.entrypoints.model_source import resolve_model_path
+from srt.managers.generate_input import GenerateReqInput
+from srt.server_args import ServerArgs
+
+
+def test_every_server_arg_is_a_flag_with_help():
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    actions = {action.dest: action for action in parser._actions}
+    for field in dataclasses.fields(ServerArgs):
+        assert field.name in actions and actions[field.name].help, field.name
+    assert "--model" in actions["model_path"].option_strings
+    for serving in ("host", "port", "served_model_name", "log_interval"):
+        assert serving in actions
+
+
+def test_model_alias_and_preset_with_dummy_weights():
+    args = parse_args(["--model", "tiny-gemma-4-E4B-it", "--load-format", "dummy", "--port", "8123"])
+    assert args.model_path == "tiny-gemma-4-E4B-it" and args.port == 8123
+    assert args.served_model_name == "tiny-gemma-4-E4B-it"
+
+
+def test_checkpoint_directory(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path.resolve())
+    with pytest.raises(ValueError, match="no config.json"):
+        resolve_model_path(str(tmp_path.parent))
+
+
+def test_name_in_the_hugging_face_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    repo = tmp_path / "models--google--gemma-4-E4B-it"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert resolve_model_path("google/gemma-4-E4B-it") == str(snapshot)
+    assert resolve_model_path("gemma-4-E4B-it") == str(snapshot)  # a preset name that is also cached
+
+
+def test_preset_without_dummy_says_how(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="--load-format dummy"):
+        resolve_model_path("gemma-4-31B-it")
+
+
+def test_unknown_model_says_what_was_tried(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "no-such-model-anywhere"])
+    message = capsys.readouterr().err
+    assert "Hugging Face cache" in message and "--load-format dummy" in message and "google/no-such" in message
+
+
+def test_generate_request_split():
+    obj = GenerateReqInput(text=["a", "b"], sampling_params={"n": 2, "seed": 5, "temperature": 1.0})
+    singles = obj.expand()
+    assert [(s.index, s.text, s.sampling_params["seed"]) for s in singles] == [
+        (0, "a", 5),
+        (1, "a", 6),
+        (2, "b", 5),
+        (3, "b", 6),
+    ]
+    assert "n" not in singles[0].sampling_params and obj.returns_list()
+    assert not GenerateReqInput(input_ids=[1, 2]).returns_list()
+    per_prompt = GenerateReqInput(input_ids=[[1], [2, 3]], return_logprob=[True, False], logprob_start_len=[0, -1])
+    assert [(s.return_logprob, s.logprob_start_len) for s in per_prompt.expand()] == [(True, 0), (False, None)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({}, "exactly one of text and input_ids"),
+        ({"text": "a", "input_ids": [1]}, "exactly one of text and input_ids"),
+        ({"text": 3}, "text"),
+        ({"input_ids": [1, "2"]}, "input_ids"),
+        ({"input_ids": [[1], []]}, "input_ids"),
+        ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+        ({"text": "a", "sampling_params": {"n": 0}}, "n must be"),
+        ({"text": "a", "return_logprob": "yes"}, "return_logprob"),
+        ({"text": "a", "top_logprobs_num": -2}, "top_logprobs_num"),
+        ({"text": "a", "stream": 1}, "stream"),
+    ],
+)
+def test_generate_request_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        GenerateReqInput(**kwargs).expand()
