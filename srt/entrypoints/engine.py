@@ -48,11 +48,15 @@ class Engine:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="srt-engine-loop", daemon=True)
         self._thread.start()
-        self.tokenizer_manager = TokenizerManager(
-            self.server_args, self._processes.port_args, self._processes.info, tokenizer, self._processes.problem
-        )
-        self._call(self.tokenizer_manager.start())
         atexit.register(self.shutdown)
+        try:
+            self.tokenizer_manager = TokenizerManager(
+                self.server_args, self._processes.port_args, self._processes.info, tokenizer, self._processes.problem
+            )
+            self._call(self.tokenizer_manager.start())
+        except BaseException:
+            self.shutdown()
+            raise
 
     # ---- generation ------------------------------------------------------------------------------------
     def generate(
@@ -141,7 +145,8 @@ class Engine:
         processes, self._processes = self._processes, None
         atexit.unregister(self.shutdown)
         if self._loop.is_running():
-            asyncio.run_coroutine_threadsafe(self.tokenizer_manager.close(), self._loop).result(timeout=5)
+            if hasattr(self, "tokenizer_manager"):
+                asyncio.run_coroutine_threadsafe(self.tokenizer_manager.close(), self._loop).result(timeout=5)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
         processes.shutdown()

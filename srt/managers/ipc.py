@@ -61,6 +61,10 @@ class ReadyReport:
 def socket(context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
     sock = context.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)  # never block process exit on undelivered messages
+    if kind == zmq.PUSH:
+        # No high-water mark: a burst of requests must queue, not block the sender's event loop. Every
+        # receiver drains its socket each iteration, and a dead one is detected by its parent.
+        sock.setsockopt(zmq.SNDHWM, 0)
     if bind:
         sock.bind(address)
     else:
