@@ -205,6 +205,7 @@ def test_native_generate(server, tokenizer, reference):
 
 
 def test_disconnect_mid_stream_frees_the_request(server, name):
+    before = httpx.get(f"{server.url}/server_info").json()["generated_tokens_total"]
     body = {"model": name, "prompt": PROMPTS[5], "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, **NO_EOS}) as response:
         received = 0
@@ -213,9 +214,19 @@ def test_disconnect_mid_stream_frees_the_request(server, name):
             if received == 3:
                 break  # leave mid-stream: closing the connection must abort the request
     info = wait_idle(server.url)
-    assert info["generated_tokens_total"] > 0
+    assert 0 < info["generated_tokens_total"] - before < 400  # stopped early, not run to max_tokens
     for pool in info["pools"].values():
         assert pool["in_use"] == 0 and pool["free"] + pool["cached"] == pool["total"]
+
+
+def test_disconnect_while_waiting_for_a_whole_response(server, name):
+    before = httpx.get(f"{server.url}/server_info").json()["generated_tokens_total"]
+    body = {"model": name, "prompt": PROMPTS[6], "max_tokens": 500, "temperature": 0, **NO_EOS}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.5))
+    info = wait_idle(server.url)
+    assert 0 < info["generated_tokens_total"] - before < 500
+    assert all(pool["in_use"] == 0 for pool in info["pools"].values())
 
 
 def wait_idle(url: str, timeout: float = 20.0) -> dict:
