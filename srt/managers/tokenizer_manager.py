@@ -41,7 +41,7 @@ from srt.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a /generate request names none
-DISCONNECT_CHECK_S = 1.0  # how often a non-streaming request checks whether its client is still there
+DISCONNECT_CHECK_S = 0.25  # how often a non-streaming request checks whether its client is still there
 
 
 @dataclass
