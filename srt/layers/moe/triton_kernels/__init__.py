@@ -1,0 +1,6 @@
+"""Triton kernels of the MoE block (imported only where triton is installed).
+
+- `routing.py`: top-k routing, one program per token.
+- `experts.py`: grouped GEMMs over tokens sorted by expert: gate/up with gelu-tanh gating, then down times the
+  routing weight.
+"""
