@@ -11,4 +11,8 @@ def create_attention_backend(name: str) -> AttentionBackend:
         from srt.layers.attention.torch_native import TorchNativeAttentionBackend
 
         return TorchNativeAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}; available: torch_native")
+    if name == "triton":
+        from srt.layers.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}; available: torch_native, triton")

@@ -1,0 +1,259 @@
+"""Triton attention backend vs the torch_native reference at Gemma 4 E4B shapes (bf16), on one GPU.
+
+    PYTHONPATH=. python bench/bench_attention.py [--sweep] [--json out.json]
+
+For each case (extend 1 x 7000 and 8 x 2048 new tokens; decode batch 1 and 32 at 512 and 4096 tokens of
+context) and each layer type (sliding: head_dim 256, window 512; full: head_dim 512; 8 query / 2 KV heads):
+max abs error of triton (bf16) and of torch_native (bf16) against torch_native on fp32 queries over the same
+bf16 KV, and median times (triton.testing.do_bench) of both backends' `forward` without the KV write; decode
+also as a CUDA graph replay (what the decode loop runs). `--sweep` times other block shapes of the kernels.
+Results go to --json, or to $OUT/bench_attention.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from srt.configs.model_config import FULL, SLIDING, AttentionLayerSpec
+from srt.layers.attention import create_attention_backend
+from srt.layers.attention.triton_kernels import decode_attention as dk
+from srt.layers.attention.triton_kernels import extend_attention as ek
+from srt.mem_cache.allocator import SWATokenAllocator
+from srt.mem_cache.kv_pool import HybridKVPool
+from srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+HEADS, KV_HEADS, WINDOW = 8, 2, 512  # gemma-4-E4B
+LAYERS = (
+    AttentionLayerSpec(0, SLIDING, 256, HEADS, KV_HEADS, False, 0, WINDOW),
+    AttentionLayerSpec(1, FULL, 512, HEADS, KV_HEADS, False, 1, None),
+)
+# (name, mode, [(cached tokens, new tokens)] per request)
+CASES = [
+    ("extend 1x7000", ForwardMode.EXTEND, [(0, 7000)]),
+    ("extend 8x2048", ForwardMode.EXTEND, [(0, 2048)] * 8),
+    ("decode bs1 ctx512", ForwardMode.DECODE, [(511, 1)]),
+    ("decode bs1 ctx4096", ForwardMode.DECODE, [(4095, 1)]),
+    ("decode bs32 ctx512", ForwardMode.DECODE, [(511, 1)] * 32),
+    ("decode bs32 ctx4096", ForwardMode.DECODE, [(4095, 1)] * 32),
+]
+EXTEND_SWEEP = {
+    256: [
+        ek.ExtendConfig(32, 4, 64, 8, 1, value_splits=2),
+        ek.ExtendConfig(32, 4, 64, 8, 3, value_splits=2),
+        ek.ExtendConfig(16, 4, 64, 8, 3, value_splits=1),
+        ek.ExtendConfig(32, 4, 32, 8, 3, value_splits=2),
+    ],
+    512: [
+        ek.ExtendConfig(32, 4, 32, 8, 1, value_splits=2),
+        ek.ExtendConfig(32, 4, 32, 8, 3, value_splits=2),
+        ek.ExtendConfig(16, 4, 32, 8, 3, value_splits=2),
+        ek.ExtendConfig(32, 4, 16, 8, 3, value_splits=2),
+    ],
+}
+DECODE_SWEEP = {
+    256: [dk.DecodeConfig(32, 4, 2), dk.DecodeConfig(64, 4, 3), dk.DecodeConfig(16, 4, 4)],
+    512: [dk.DecodeConfig(32, 4, 2), dk.DecodeConfig(64, 4, 3), dk.DecodeConfig(16, 4, 4)],
+}
+
+
+def build_batch(mode: ForwardMode, requests: list[tuple[int, int]]) -> ForwardBatch:
+    """Pools holding random bf16 KV for every token of every request, and the batch of their new tokens."""
+    device = torch.device("cuda")
+    total = sum(c + n for c, n in requests)
+    allocator = SWATokenAllocator(total, total, device)
+    pool = HybridKVPool(LAYERS, allocator, torch.bfloat16, device)
+    req_to_token = ReqToTokenPool(len(requests), max(c + n for c, n in requests) + 1, device)
+    rows, new_slots = [], []
+    for cached, new in requests:
+        row = req_to_token.alloc()
+        slots = allocator.alloc(cached + new)
+        req_to_token.write(row, 0, slots)
+        rows.append(row)
+        new_slots.append(slots[cached:])
+    for spec in LAYERS:
+        k, v = pool.kv_buffers(spec.layer_id)
+        k.normal_()
+        v.normal_()
+    return ForwardBatch.build(
+        mode=mode,
+        new_token_ids=[[1] * n for _, n in requests],
+        prefix_lens=[c for c, _ in requests],
+        req_pool_indices=rows,
+        out_cache_loc=torch.cat(new_slots),
+        logits_rows=[],
+        req_to_token_pool=req_to_token,
+        kv_pool=pool,
+    )
+
+
+def visible_pairs(requests: list[tuple[int, int]], window: int | None) -> int:
+    """(query, key) pairs that attention computes, for FLOP and byte counts."""
+    pairs = 0
+    for cached, new in requests:
+        for pos in range(cached, cached + new):
+            pairs += pos + 1 if window is None else min(pos + 1, window)
+    return pairs
+
+
+def kv_tokens_read(requests: list[tuple[int, int]], window: int | None) -> int:
+    return sum(min(c + n, window) if window else c + n for c, n in requests)
+
+
+def with_metadata(backend, batch: ForwardBatch) -> ForwardBatch:
+    batch = dataclasses.replace(batch)
+    backend.init_forward_metadata(batch)
+    return batch
+
+
+def graph_time_ms(backend, batch: ForwardBatch, q: torch.Tensor, spec: AttentionLayerSpec) -> float:
+    """Median replay time of the backend's forward captured in a CUDA graph (fails on any host sync)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            backend.forward(q, None, None, spec, batch, save_kv=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        backend.forward(q, None, None, spec, batch, save_kv=False)
+    return do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+
+
+def run_case(name: str, mode: ForwardMode, requests: list[tuple[int, int]], sweep: bool) -> list[dict]:
+    batch = build_batch(mode, requests)
+    reference, triton_backend = create_attention_backend("torch_native"), create_attention_backend("triton")
+    ref_batch, tri_batch = with_metadata(reference, batch), with_metadata(triton_backend, batch)
+    results = []
+    for spec in LAYERS:
+        q = torch.randn(batch.num_tokens, HEADS, spec.head_dim, device="cuda", dtype=torch.bfloat16)
+        exact = reference.forward(q.float(), None, None, spec, ref_batch, save_kv=False)
+        ref_bf16 = reference.forward(q, None, None, spec, ref_batch, save_kv=False)
+        ours = triton_backend.forward(q, None, None, spec, tri_batch, save_kv=False)
+        torch.cuda.synchronize()
+        record = {
+            "case": name,
+            "layer": f"{spec.layer_type} d{spec.head_dim}",
+            "triton_max_abs_err": float((ours.float() - exact).abs().max()),
+            "torch_native_bf16_max_abs_err": float((ref_bf16.float() - exact).abs().max()),
+            "triton_ms": do_bench(
+                lambda spec=spec, q=q: triton_backend.forward(q, None, None, spec, tri_batch, save_kv=False),
+                warmup=25,
+                rep=100,
+                return_mode="median",
+            ),
+            "torch_native_ms": do_bench(
+                lambda spec=spec, q=q: reference.forward(q, None, None, spec, ref_batch, save_kv=False),
+                warmup=5,
+                rep=30,
+                return_mode="median",
+            ),
+        }
+        if mode.is_decode():
+            record["triton_graph_ms"] = graph_time_ms(triton_backend, tri_batch, q, spec)
+            kv_bytes = kv_tokens_read(requests, spec.sliding_window) * KV_HEADS * spec.head_dim * 2 * 2
+            record["triton_graph_GBps"] = kv_bytes / record["triton_graph_ms"] / 1e6
+        else:
+            flops = 4 * visible_pairs(requests, spec.sliding_window) * HEADS * spec.head_dim
+            record["triton_TFLOPs"] = flops / record["triton_ms"] / 1e9
+        if sweep:
+            record["sweep"] = sweep_configs(spec, q, tri_batch, exact)
+        results.append(record)
+        print(json.dumps(record), flush=True)
+    return results
+
+
+def sweep_configs(spec: AttentionLayerSpec, q: torch.Tensor, batch: ForwardBatch, exact: torch.Tensor) -> list:
+    """Times (and errors) of other block shapes for this layer and batch."""
+    pool = batch.kv_pool
+    k_buffer, v_buffer = pool.kv_buffers(spec.layer_id)
+    req_to_token, full_to_swa = batch.req_to_token_pool.req_to_token, pool.allocator.full_to_swa
+    meta = batch.attn_metadata
+    out = torch.empty_like(q)
+    rows = []
+    if not meta.use_decode_kernel:
+        for config in EXTEND_SWEEP[spec.head_dim]:
+            tiles = ek.build_extend_tiles(meta.extend_seq_lens, q.shape[0], config.block_q)
+
+            def call(config=config, tiles=tiles):
+                ek.extend_attention(
+                    q, out, k_buffer, v_buffer, req_to_token, full_to_swa, tiles, meta.req_pool_indices,
+                    meta.seq_lens, meta.positions, spec.sliding_window, config,
+                )  # fmt: skip
+
+            rows.append(_time_variant(str(config), call, out, exact))
+        return rows
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    base = dk.num_kv_splits(q.shape[0], KV_HEADS, sms)
+    default = dk.default_decode_config(spec.head_dim, True)
+    variants = [(default, splits) for splits in sorted({max(base // 4, 1), base * 2}) if splits <= dk.MAX_KV_SPLITS * 2]
+    variants += [(config, base) for config in DECODE_SWEEP[spec.head_dim]]
+    for config, splits in variants:
+        partials = dk.decode_partials(q.shape[0], HEADS, spec.head_dim, splits, q.device)
+
+        def call(config=config, splits=splits, partials=partials):
+            dk.decode_attention(
+                q, out, k_buffer, v_buffer, req_to_token, full_to_swa, meta.row_pool_indices,
+                meta.row_seq_lens, meta.positions, spec.sliding_window, splits, partials, config,
+            )  # fmt: skip
+
+        rows.append(_time_variant(f"{config} splits={splits}", call, out, exact))
+    return rows
+
+
+def _time_variant(label: str, call, out: torch.Tensor, exact: torch.Tensor) -> dict:
+    try:
+        out.fill_(float("nan"))
+        call()
+        error = float((out.float() - exact).abs().max())
+        ms = do_bench(call, warmup=10, rep=50, return_mode="median")
+    except Exception as exc:  # a block shape that does not fit the chip (shared memory) is a result too
+        return {"config": label, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    print(f"    {label}: {ms:.4f} ms, max abs err {error:.2e}", flush=True)
+    return {"config": label, "ms": ms, "max_abs_err": error}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="Also time other block shapes of the kernels.")
+    parser.add_argument("--json", type=Path, help="Where to write the results (default $OUT/bench_attention.json).")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_attention needs a CUDA device")
+    torch.manual_seed(0)
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    results = []
+    for name, mode, requests in CASES:
+        print(f"== {name}", flush=True)
+        results += run_case(name, mode, requests, args.sweep)
+        torch.cuda.empty_cache()
+
+    header = f"{'case':22} {'layer':22} {'triton ms':>10} {'graph ms':>9} {'native ms':>10} {'speedup':>8} "
+    print("\n" + header + f"{'err triton':>11} {'err native':>11} {'rate':>14}")
+    for r in results:
+        graph = r.get("triton_graph_ms")
+        best = graph if graph is not None else r["triton_ms"]
+        rate = f"{r['triton_graph_GBps']:.0f} GB/s" if graph is not None else f"{r['triton_TFLOPs']:.0f} TFLOP/s"
+        print(
+            f"{r['case']:22} {r['layer']:22} {r['triton_ms']:10.4f} {graph or float('nan'):9.4f} "
+            f"{r['torch_native_ms']:10.3f} {r['torch_native_ms'] / best:7.1f}x "
+            f"{r['triton_max_abs_err']:11.2e} {r['torch_native_bf16_max_abs_err']:11.2e} {rate:>14}"
+        )
+    path = args.json or (Path(os.environ["OUT"]) / "bench_attention.json" if os.environ.get("OUT") else None)
+    if path:
+        payload = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__, "results": results}
+        path.write_text(json.dumps(payload, indent=1))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
