@@ -52,6 +52,24 @@ class _ReqState:
     last_token_time: float | None = None
 
 
+class _DisconnectWatch:
+    """Asks `is_disconnected` at most every DISCONNECT_CHECK_S; raises ConnectionAbortedError once it says so."""
+
+    def __init__(self, is_disconnected: Callable[[], Awaitable[bool]]) -> None:
+        self.is_disconnected = is_disconnected
+        self.next_check = time.monotonic() + DISCONNECT_CHECK_S
+
+    async def check(self) -> None:
+        if time.monotonic() < self.next_check:
+            return
+        self.next_check = time.monotonic() + DISCONNECT_CHECK_S
+        if await self.is_disconnected():
+            raise ConnectionAbortedError("the client disconnected")
+
+    def until_next(self) -> float:
+        return max(0.0, self.next_check - time.monotonic())
+
+
 class TokenizerManager:
     """Front end of the serving processes; see the module docstring."""
 
@@ -167,9 +185,10 @@ class TokenizerManager:
         for req in requests:
             self._send.send_pyobj(req)
         pending = {req.rid for req in requests}
+        watch = _DisconnectWatch(is_disconnected) if is_disconnected is not None else None
         try:
             while pending:
-                item = await self._next(queue, is_disconnected)
+                item = await self._next(queue, watch)
                 if isinstance(item, Exception):
                     raise item
                 state, out = item
@@ -185,15 +204,16 @@ class TokenizerManager:
             for rid in pending:  # the reader left early (disconnect, error, cancellation): stop the rest
                 self.abort(rid)
 
-    async def _next(self, queue: asyncio.Queue, is_disconnected: Callable[[], Awaitable[bool]] | None) -> object:
+    async def _next(self, queue: asyncio.Queue, watch: _DisconnectWatch | None) -> object:
+        if watch is None:
+            return await queue.get()
         while True:
-            if is_disconnected is None:
-                return await queue.get()
+            # checked on a clock, not only when idle: outputs of a running request arrive every few ms
+            await watch.check()
             try:
-                return await asyncio.wait_for(queue.get(), DISCONNECT_CHECK_S)
+                return await asyncio.wait_for(queue.get(), watch.until_next())
             except asyncio.TimeoutError:
-                if await is_disconnected():
-                    raise ConnectionAbortedError("the client disconnected") from None
+                continue
 
     def _on_output(self, state: _ReqState, out: StrOutput) -> dict:
         now, o = time.monotonic(), out.output
