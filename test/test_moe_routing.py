@@ -79,7 +79,7 @@ def test_all_equal_logits_pick_the_first_k_experts_with_equal_weights() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_extreme_logits(dtype: torch.dtype) -> None:
     big = torch.finfo(dtype).max
-    rows = torch.randn(6, EXPERTS, generator=torch.Generator().manual_seed(5)).to(dtype)
+    rows = torch.randn(7, EXPERTS, generator=torch.Generator().manual_seed(5)).to(dtype)
     rows[0] *= 1e4 if dtype != torch.float16 else 1e3  # exp underflows to 0 for all but the top few
     rows[1, ::2] = -big  # half the experts at the most negative finite logit
     rows[2] = float("-inf")  # k-1 finite experts, then the -inf ones lowest id first
@@ -87,6 +87,8 @@ def test_extreme_logits(dtype: torch.dtype) -> None:
     rows[3, 7] = big  # one finite maximum far above the rest: weight 1 at rank 0, 0 for the others
     rows[4, 5:9] = big / 2  # a 4-way tie at a huge logit
     rows[5] = torch.linspace(-1e-3, 1e-3, EXPERTS).to(dtype)  # tiny logits, near-uniform weights
+    rows[6] = 0.0
+    rows[6, ::3] = -0.0  # -0.0 == +0.0: one tie, lowest id first
     assert_matches_reference(rows.to(DEVICE), expert_scales())
 
 

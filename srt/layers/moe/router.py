@@ -27,7 +27,7 @@ def topk_routing_reference(router_logits: torch.Tensor, per_expert_scale: torch.
 
     Experts are chosen by a stable descending sort of the float32 logits: ties go to the lower expert id.
     """
-    logits = router_logits.float()
+    logits = router_logits.float() + 0.0  # -0.0 -> +0.0: the sort must see them as the equal values they are
     probs = torch.softmax(logits, dim=-1)
     top_ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :top_k]
     top_weights = probs.gather(-1, top_ids)
