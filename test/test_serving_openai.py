@@ -259,6 +259,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": -1}, "top_p"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]}, "messages"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
     ("/generate", {"input_ids": [1, -3]}, "input_ids"),
     ("/generate", {"text": "hi", "bogus": 1}, "bogus"),

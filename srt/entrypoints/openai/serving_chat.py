@@ -48,7 +48,10 @@ class ChatRun:
         try:
             self.prepared = tm.prepare(self.obj)
         except ValueError as error:
-            raise openai_error(error) from None
+            problem = openai_error(error)
+            if problem.param == "prompt":  # the prompt a chat request has is its messages
+                problem.param = "messages"
+            raise problem from None
         self.id, self.created = new_id("chatcmpl"), now()
 
     async def response(self, is_disconnected: Callable[[], Awaitable[bool]] | None) -> dict:
