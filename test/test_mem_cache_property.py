@@ -240,7 +240,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert all(self.live(int(s)) for s in row[max(0, req.kv_len - self.window + 1) : req.kv_len])
 
 
-_SETTINGS = settings(max_examples=200, stateful_step_count=50, deadline=None,
+_SETTINGS = settings(max_examples=120, stateful_step_count=50, deadline=None,
                      suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -259,6 +259,6 @@ class ChunkMachine(CacheMachine):
 TestSWARadixCache = SWAMachine.TestCase
 TestSWARadixCache.settings = _SETTINGS
 TestRadixCache = RadixMachine.TestCase
-TestRadixCache.settings = settings(_SETTINGS, max_examples=60)
+TestRadixCache.settings = settings(_SETTINGS, max_examples=50)
 TestChunkCache = ChunkMachine.TestCase
-TestChunkCache.settings = settings(_SETTINGS, max_examples=20)
+TestChunkCache.settings = settings(_SETTINGS, max_examples=15)

@@ -19,7 +19,7 @@ from srt.mem_cache.base_prefix_cache import (
     check_partition,
     full_pool_of,
 )
-from srt.mem_cache.radix_cache import _EMPTY, TreeNode
+from srt.mem_cache.radix_cache import TreeNode
 
 
 class ChunkCache(PrefixCache):
@@ -28,11 +28,12 @@ class ChunkCache(PrefixCache):
     def __init__(self, allocator: TokenSlotAllocator | SWATokenAllocator) -> None:
         self.allocator = allocator
         self._full = full_pool_of(allocator)
-        self.root = TreeNode((), _EMPTY, None)
+        self._empty = torch.empty(0, dtype=torch.int64, device=allocator.device)
+        self.root = TreeNode((), self._empty, None)
         self._locks = 0
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        return MatchResult(_EMPTY, self.root)
+        return MatchResult(self._empty, self.root)
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
         """Nothing is kept: the slots are freed at once and no token counts as already cached."""
@@ -68,11 +69,11 @@ class ChunkCache(PrefixCache):
         self.allocator.check_integrity()
         if self._locks < 0 or self.root.children:
             raise AssertionError(f"chunk cache holds state: {self._locks} locks, {len(self.root.children)} nodes")
-        check_partition("full", self._full.size, self._full.free_slots(), _EMPTY, request_slots)
+        check_partition("full", self._full.size, self._full.free_slots(), self._empty, request_slots)
         if isinstance(self.allocator, SWATokenAllocator) and request_slots is not None:
             swa = self.allocator.full_to_swa[request_slots.to(torch.int64)]
             swa_pool = self.allocator.swa
-            check_partition("swa", swa_pool.size, swa_pool.free_slots(), _EMPTY, swa[swa != 0])
+            check_partition("swa", swa_pool.size, swa_pool.free_slots(), self._empty, swa[swa != 0])
 
     def _check_root(self, node: TreeNode) -> None:
         if node is not self.root:

@@ -26,8 +26,6 @@ from srt.mem_cache.base_prefix_cache import (
     full_pool_of,
 )
 
-_EMPTY = torch.empty(0, dtype=torch.int64)
-
 
 class TreeNode:
     """One edge of the tree: `key` tokens whose KV sits in full-pool `slots`."""
@@ -69,7 +67,8 @@ class RadixCache(PrefixCache):
     def __init__(self, allocator: TokenSlotAllocator | SWATokenAllocator) -> None:
         self.allocator = allocator
         self._full = full_pool_of(allocator)
-        self.root = TreeNode((), _EMPTY, None)
+        self._empty = torch.empty(0, dtype=torch.int64, device=allocator.device)  # slots of an empty match
+        self.root = TreeNode((), self._empty, None)
         self._locks: Counter[int] = Counter()  # node_id -> lock() calls not yet undone
         self._clock = 0  # logical time of the last access; LRU order without wall-clock ties
         self._cached = 0
@@ -109,7 +108,7 @@ class RadixCache(PrefixCache):
             node.last_access = self._clock
 
     def _result(self, path: list[TreeNode]) -> MatchResult:
-        slots = torch.cat([node.slots for node in path]) if path else _EMPTY
+        slots = torch.cat([node.slots for node in path]) if path else self._empty
         return MatchResult(slots, path[-1] if path else self.root)
 
     # ---- insertion -----------------------------------------------------------------------------------
@@ -256,7 +255,7 @@ class RadixCache(PrefixCache):
             )
         if stale := [node_id for node_id in self._locks if node_id not in ids]:
             raise AssertionError(f"locks held on nodes no longer in the tree: {stale}")
-        tree_slots = torch.cat([n.slots for n in self._nodes()]) if self._cached else _EMPTY
+        tree_slots = torch.cat([n.slots for n in self._nodes()]) if self._cached else self._empty
         check_partition("full", self._full.size, self._full.free_slots(), tree_slots, request_slots)
         self._check_pools(request_slots)
 

@@ -24,7 +24,7 @@ import torch
 
 from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.base_prefix_cache import CacheStats, check_partition
-from srt.mem_cache.radix_cache import _EMPTY, RadixCache, TreeNode
+from srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 
 class SWARadixCache(RadixCache):
@@ -210,7 +210,7 @@ class SWARadixCache(RadixCache):
                 f"tree has {swa_cached} / {swa_evictable}"
             )
         to_swa = self.allocator.full_to_swa
-        tree_swa = to_swa[torch.cat(live_slots)] if live else _EMPTY
+        tree_swa = to_swa[torch.cat(live_slots)] if live else self._empty
         request_swa = None
         if request_slots is not None:
             request_swa = to_swa[request_slots.to(torch.int64)]
