@@ -128,3 +128,7 @@ def test_kv_pool_shared_layers_read_their_owners_buffers() -> None:
     assert ids(pool.layer_slots(full_layer.layer_id, slots)) == [1, 2]
     with pytest.raises(ValueError, match="shares KV"):
         pool.write(shared.layer_id, slots, torch.zeros(2, 2, 32), torch.zeros(2, 2, 32))
+    pool.check_integrity()
+    pool._v[sliding_layer.layer_id] = torch.zeros(9, 2, 32)  # sized for the full pool by mistake
+    with pytest.raises(AssertionError, match=r"V buffer is \(9, 2, 32\)"):
+        pool.check_integrity()

@@ -61,6 +61,26 @@ class HybridKVPool:
         self._k[layer_id][rows] = k.to(self.dtype)
         self._v[layer_id][rows] = v.to(self.dtype)
 
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless exactly the KV-owning layers have buffers, sized to their pool, and
+        every KV-shared layer reads an earlier owning layer of its own type and shape."""
+        owners = {spec.layer_id for spec in self.layers if spec.owns_kv}
+        if set(self._k) != owners or set(self._v) != owners:
+            raise AssertionError(f"buffers for layers {sorted(self._k)}, but layers {sorted(owners)} own KV")
+        for spec in self.layers:
+            owner = self.layers[spec.kv_owner]
+            if not owner.owns_kv or owner.layer_id > spec.layer_id or owner.layer_type != spec.layer_type:
+                raise AssertionError(f"layer {spec.layer_id} reads KV of layer {owner.layer_id}, not a valid owner")
+            rows = (self.allocator.swa_size if spec.is_sliding else self.allocator.full_size) + 1
+            shape = (rows, spec.num_kv_heads, spec.head_dim)
+            for name, buffer in (("K", self._k[owner.layer_id]), ("V", self._v[owner.layer_id])):
+                if tuple(buffer.shape) != shape or buffer.dtype != self.dtype:
+                    raise AssertionError(
+                        f"layer {spec.layer_id} {name} buffer is {tuple(buffer.shape)} {buffer.dtype}, "
+                        f"expected {shape} {self.dtype}"
+                    )
+        self.allocator.check_integrity()
+
     def bytes_per_token(self) -> tuple[int, int]:
         """(full-pool, SWA-pool) KV bytes one token occupies across all owning layers."""
         return kv_bytes_per_token(self.layers, self.dtype)
