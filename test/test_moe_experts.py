@@ -201,31 +201,45 @@ def _set_moe_backends(runner, router_backend: str, experts_backend: str) -> int:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", fe.BACKENDS)
+@pytest.mark.parametrize("tokens", [1, 69])
+def test_gpu_tiny_preset_shapes_bf16(backend: str, tokens: int) -> None:
+    """The tiny 26B-A4B preset's shapes (16 experts, top 4, hidden 64, inter 32): blocks wider than inter."""
+    experts = make_experts(16, 64, 32, torch.bfloat16, seed=4)
+    hidden = torch.randn(tokens, 64, device=DEVICE).to(torch.bfloat16)
+    check_backend(backend, experts, hidden, *make_routing(tokens, 16, 4, seed=tokens))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("experts_backend", fe.BACKENDS)
 def test_gpu_tiny_26b_fused_vs_reference(tiny_checkpoint, experts_backend: str) -> None:
     """The tiny 26B-A4B checkpoint with the fused routing and experts against the torch reference on the same
-    GPU. float32 (the triton experts; grouped_mm is bf16 only): identical greedy tokens over 12 steps, logits
-    within 1e-4. bf16: prefill logits within 3e-2 (as test_model_vs_transformers' bf16 bound); greedy tokens
-    are only printed, since bf16 rounding alone flips near-tied tokens of a random tiny model."""
+    GPU. float32 (triton experts whatever the parameter; grouped_mm is bf16 only): identical greedy tokens over
+    12 steps, logits within 1e-4. bf16, with the parameter's experts: the fused prefill logits at most twice as
+    far from the float32 reference run as the bf16 reference run is (or within 3e-2), the bound that
+    test_model_vs_transformers puts on bf16. Not tighter: this random tiny model is chaotic in bf16 (its bf16
+    prefill logits are ~30% from its float32 ones, and computing the experts' GEMMs in float32 alone moves
+    them by ~10%, seen on the CPU), so greedy tokens of two bf16 paths are not compared."""
     from srt.model_executor.model_runner import ModelRunner
     from srt.model_executor.static_batch import generate_greedy
     from srt.server_args import ServerArgs
 
     path = tiny_checkpoint("tiny-gemma-4-26B-A4B-it")
     prompts = [torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 23, 41)]
-    for dtype in ("float32", "bfloat16") if experts_backend == "triton" else ("bfloat16",):
+    results = {}
+    for dtype in ("float32", "bfloat16"):
         runner = ModelRunner(ServerArgs(model_path=str(path), device="cuda", dtype=dtype, max_total_tokens=4096))
-        results = {}
-        for name, router_backend, backend in (("reference", "torch", "torch"), ("fused", "auto", experts_backend)):
+        fused_backend = experts_backend if dtype == "bfloat16" else "auto"  # float32: triton
+        for name, router_backend, backend in (("reference", "torch", "torch"), ("fused", "auto", fused_backend)):
             assert _set_moe_backends(runner, router_backend, backend) > 0
-            results[name] = generate_greedy(runner, prompts, 12)
-        fused, reference = results["fused"], results["reference"]
-        same = sum(a == b for f, r in zip(fused.output_ids, reference.output_ids) for a, b in zip(f, r))
-        print(f"{experts_backend} {dtype}: {same} of {sum(map(len, reference.output_ids))} greedy tokens equal")
-        if dtype == "float32":
-            assert fused.output_ids == reference.output_ids
-            for ours, ref in zip(fused.step_logits, reference.step_logits, strict=True):
-                assert relative_error(ours, ref) < 1e-4
-        else:
-            assert relative_error(fused.step_logits[0], reference.step_logits[0]) < 3e-2
+            results[name, dtype] = generate_greedy(runner, prompts, 12 if dtype == "float32" else 1)
         del runner
+    fused, reference = results["fused", "float32"], results["reference", "float32"]
+    assert fused.output_ids == reference.output_ids
+    for ours, ref in zip(fused.step_logits, reference.step_logits, strict=True):
+        assert relative_error(ours, ref) < 1e-4
+    exact = reference.step_logits[0]
+    fused_error = relative_error(results["fused", "bfloat16"].step_logits[0], exact)
+    reference_error = relative_error(results["reference", "bfloat16"].step_logits[0], exact)
+    print(f"{experts_backend} bf16 prefill logits vs float32: fused {fused_error:.2e}, reference {reference_error:.2e}")
+    assert fused_error < max(3e-2, 2 * reference_error)
