@@ -17,6 +17,14 @@ class RMSNorm(nn.Module):
             self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from srt.layers.rms_norm_kernel import fused_rms_norm  # triton is only needed on GPU
+
+            return fused_rms_norm(x, self.weight if self.with_scale else None, self.eps)
+        return self.reference(x)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch path (CPU, and the oracle of the fused GPU kernel)."""
         x32 = x.float()
         # pow(-0.5) rather than rsqrt, as the reference does, to stay bit-close to it
         normed = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
