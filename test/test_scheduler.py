@@ -158,3 +158,15 @@ def test_bad_requests_are_rejected_with_the_field_named(tiny_checkpoint) -> None
     with pytest.raises(ValueError, match="logprob_start_len"):
         scheduler.add_request(greedy("a", [5, 6], logprob_start_len=9, return_logprob=True))
     assert_idle_and_consistent(scheduler)
+
+
+def test_a_request_that_can_never_fit_ends_with_a_reason(tiny_checkpoint) -> None:
+    # 12 sliding-window slots cannot hold one 32-token prefill chunk: the request must end, not spin forever
+    scheduler = make_scheduler(
+        tiny_checkpoint(PRESET), max_total_tokens=64, swa_full_tokens_ratio=0.2, chunked_prefill_size=32
+    )
+    results = run_to_completion(scheduler, [greedy("big", list(range(3, 43))), greedy("small", [5, 6, 7])])
+    assert results["big"].finished_reason.kind == "abort"
+    assert "does not fit in KV memory" in results["big"].finished_reason.message
+    assert results["small"].finished_reason.kind == "length"
+    assert_idle_and_consistent(scheduler)

@@ -91,9 +91,30 @@ class Scheduler:
     def step(self) -> list[ReqOutput]:
         """Run one forward (prefill if anything can be admitted, else decode); report what changed."""
         batch = self._schedule_prefill() or self._schedule_decode()
+        if batch is None and self.has_work():
+            # a decode step may have retracted everything to make room; admission can run again at once
+            batch = self._schedule_prefill() or self._schedule_decode()
+            if batch is None:
+                return [self._fail_unschedulable()]
         if batch is None:
             return []
         return self._run(batch)
+
+    def _fail_unschedulable(self) -> ReqOutput:
+        """Nothing can run even with the cache evicted: end the request that blocks the rest, with a reason."""
+        self.cache.evict(self.allocator.full_size)
+        stuck = next((req for req in self.running if req.to_compute > 1), None) or self.waiting[0]
+        (self.running if stuck in self.running else self.waiting).remove(stuck)
+        if stuck.req_pool_idx is not None:
+            self._release(stuck)
+        message = (
+            f"the request does not fit in KV memory (full pool {self.allocator.full_size} tokens, "
+            f"sliding-window pool {self.allocator.swa_size} tokens); raise --max-total-tokens or lower "
+            "--chunked-prefill-size"
+        )
+        stuck.finished_reason = FinishReason("abort", message=message)
+        logger.warning("request %s: %s", stuck.rid, message)
+        return collect_output(stuck)
 
     def _schedule_prefill(self) -> ScheduleBatch | None:
         budget = PrefillBudget(
