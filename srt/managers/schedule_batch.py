@@ -91,10 +91,6 @@ class ScheduleBatch:
     mode: ForwardMode
     items: list[ScheduledReq]
 
-    @property
-    def reqs(self) -> list[Req]:
-        return [item.req for item in self.items]
-
     def to_forward_batch(self, out_cache_loc: torch.Tensor, req_to_token_pool, kv_pool) -> ForwardBatch:
         """Lay out the ForwardBatch; `logits_rows` lists, per request in order, prompt-logprob rows then its
         sampling row."""

@@ -25,11 +25,9 @@ class PrefillBudget:
     chunk: int  # --chunked-prefill-size: the most tokens one request computes in one forward
     requests: int  # request rows left under --max-running-requests
 
-    def tokens_for(self, req: Req) -> int:
-        """How many of the request's pending tokens fit (0: none)."""
-        if self.requests <= 0:
-            return 0
-        return min(req.to_compute, self.tokens, self.chunk)
+    def fit(self, pending: int) -> int:
+        """How many of `pending` tokens one request may compute in this forward (0: none)."""
+        return min(pending, self.tokens, self.chunk)
 
     def take(self, num_tokens: int) -> None:
         self.tokens -= num_tokens

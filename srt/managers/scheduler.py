@@ -125,7 +125,7 @@ class Scheduler:
         items: list[ScheduledReq] = []
         chunked = [req for req in self.running if req.to_compute > 1]  # at most one: a prefill in progress
         for req in chunked:
-            num = min(req.to_compute, budget.tokens, budget.chunk)
+            num = budget.fit(req.to_compute)
             if num == 0 or not self._make_room(num + len(self.running)):
                 return None
             items.append(self._scheduled(req, num))
@@ -144,7 +144,7 @@ class Scheduler:
             limit = min(limit, req.prompt_logprob_first_row())
         match = self.cache.match_prefix(req.all_ids[:limit])
         pending = len(req.all_ids) - match.prefix_len
-        num = min(pending, budget.tokens, budget.chunk) if budget.requests > 0 else 0
+        num = budget.fit(pending) if budget.requests > 0 else 0
         if num == 0 or (num < pending and (chunked or any(item.num_tokens < item.req.to_compute for item in items))):
             return False  # one chunked request at a time
         self.cache.lock(match.node)  # before evicting, so room is not made out of this very prefix
