@@ -9,6 +9,7 @@ from transformers import Gemma4ForCausalLM as ReferenceModel
 
 from srt.managers.inprocess import run_to_completion
 from srt.managers.io_struct import TokenizedGenerateReq
+from srt.managers.schedule_batch import Req
 from srt.managers.scheduler import Scheduler
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampling_params import SamplingParams
@@ -170,3 +171,12 @@ def test_a_request_that_can_never_fit_ends_with_a_reason(tiny_checkpoint) -> Non
     assert "does not fit in KV memory" in results["big"].finished_reason.message
     assert results["small"].finished_reason.kind == "length"
     assert_idle_and_consistent(scheduler)
+
+
+def test_req_token_slices_equal_slices_of_all_ids() -> None:
+    req = Req.from_request(greedy("r", [10, 11, 12, 13]), torch.device("cpu"))
+    req.output_ids = [20, 21, 22]
+    for start in range(8):
+        for stop in range(start, 9):
+            assert req.tokens(start, stop) == req.all_ids[start:stop], (start, stop)
+    assert req.num_tokens == len(req.all_ids) == 7

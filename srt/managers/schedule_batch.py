@@ -55,9 +55,20 @@ class Req:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] without building all_ids: a decode step reads one token of a long prompt."""
+        split = len(self.prompt_ids)
+        if start >= split:
+            return self.output_ids[start - split : stop - split]
+        return self.prompt_ids[start:stop] + self.output_ids[: max(0, stop - split)]
+
+    @property
     def to_compute(self) -> int:
         """Tokens whose KV is not in the pools yet (work = tokens - cached tokens)."""
-        return len(self.prompt_ids) + len(self.output_ids) - self.kv_len
+        return self.num_tokens - self.kv_len
 
     @property
     def finished(self) -> bool:
@@ -98,7 +109,7 @@ class ScheduleBatch:
         start = 0
         for item in self.items:
             req = item.req
-            new_tokens.append(req.all_ids[req.kv_len : req.kv_len + item.num_tokens])
+            new_tokens.append(req.tokens(req.kv_len, req.kv_len + item.num_tokens))
             prefix_lens.append(req.kv_len)
             rows.append(req.req_pool_idx)
             logits_rows.extend(start + pos - req.kv_len for pos in item.prompt_logprob_rows)

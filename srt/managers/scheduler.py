@@ -139,11 +139,11 @@ class Scheduler:
 
     def _admit(self, req: Req, budget: PrefillBudget, items: list[ScheduledReq], chunked: list[Req]) -> bool:
         """Try to add a waiting request to the prefill batch; False when it (and so the rest) must wait."""
-        limit = len(req.all_ids) - 1  # at least one token must run: its logits are needed
+        limit = req.num_tokens - 1  # at least one token must run: its logits are needed
         if req.wants_prompt_logprobs:
             limit = min(limit, req.prompt_logprob_first_row())
-        match = self.cache.match_prefix(req.all_ids[:limit])
-        pending = len(req.all_ids) - match.prefix_len
+        match = self.cache.match_prefix(req.tokens(0, limit))
+        pending = req.num_tokens - match.prefix_len
         num = budget.fit(pending) if budget.requests > 0 else 0
         if num == 0 or (num < pending and (chunked or any(item.num_tokens < item.req.to_compute for item in items))):
             return False  # one chunked request at a time
@@ -233,7 +233,7 @@ class Scheduler:
     def _cache_prefill(self, req: Req) -> None:
         """After a prefill forward: the request's tokens so far go to the cache; it keeps them locked."""
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        req.prefix = self.cache.cache_unfinished(req.all_ids[: req.kv_len], row[: req.kv_len].long(), req.prefix)
+        req.prefix = self.cache.cache_unfinished(req.tokens(0, req.kv_len), row[: req.kv_len].long(), req.prefix)
         self.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix.slots)
         req.swa_freed_upto = max(req.swa_freed_upto, req.prefix.prefix_len)
 
@@ -246,7 +246,7 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         """Hand the request's KV to the cache and free its row; afterwards it holds nothing."""
         row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        self.cache.cache_finished(req.all_ids[: req.kv_len], row[: req.kv_len].long(), req.prefix)
+        self.cache.cache_finished(req.tokens(0, req.kv_len), row[: req.kv_len].long(), req.prefix)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.prefix, req.kv_len, req.swa_freed_upto = None, None, 0, 0
 
