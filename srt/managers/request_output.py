@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from srt.layers.sampler import PenaltyState, SamplingBatch, sample, top_logprobs
+from srt.layers.sampler import PenaltyState, SamplingBatch, logprobs_of, sample, top_logprobs
 from srt.managers.io_struct import FinishReason, ReqOutput, TokenLogprob
 from srt.managers.schedule_batch import Req, ScheduledReq
 
@@ -48,8 +48,7 @@ def record_prompt_logprobs(item: ScheduledReq, logits: torch.Tensor) -> None:
     if not len(item.prompt_logprob_rows):
         return
     targets = [req.prompt_ids[q + 1] for q in item.prompt_logprob_rows]
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logprobs[torch.arange(len(targets)), torch.tensor(targets, device=logits.device)].tolist()
+    chosen = logprobs_of(logits, torch.tensor(targets, device=logits.device)).tolist()
     k = req.params.top_logprobs_num
     tops = top_logprobs(logits, k) if k else None
     for i, target in enumerate(targets):
