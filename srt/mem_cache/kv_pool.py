@@ -81,10 +81,6 @@ class HybridKVPool:
                     )
         self.allocator.check_integrity()
 
-    def bytes_per_token(self) -> tuple[int, int]:
-        """(full-pool, SWA-pool) KV bytes one token occupies across all owning layers."""
-        return kv_bytes_per_token(self.layers, self.dtype)
-
 
 def kv_bytes_per_token(layers: Sequence[AttentionLayerSpec], dtype: torch.dtype) -> tuple[int, int]:
     """(full, swa) bytes per token of K and V over the layers that own KV."""

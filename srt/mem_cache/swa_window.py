@@ -38,7 +38,3 @@ def free_out_of_window(
         allocator.free_swa(req_row[freed_upto:new_freed_upto].to(torch.int64))
     return new_freed_upto
 
-
-def swa_tokens_held(seq_len: int, freed_upto: int) -> int:
-    """SWA slots a request still holds for its own tokens (positions freed_upto .. seq_len-1)."""
-    return seq_len - freed_upto
