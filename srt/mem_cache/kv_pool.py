@@ -33,12 +33,14 @@ class HybridKVPool:
         self._k: dict[int, torch.Tensor] = {}
         self._v: dict[int, torch.Tensor] = {}
         for spec in self.layers:
-            if not spec.owns_kv:
-                continue
-            rows = (allocator.swa_size if spec.is_sliding else allocator.full_size) + 1  # + padding slot 0
-            shape = (rows, spec.num_kv_heads, spec.head_dim)
-            self._k[spec.layer_id] = torch.zeros(shape, dtype=dtype, device=self.device)
-            self._v[spec.layer_id] = torch.zeros(shape, dtype=dtype, device=self.device)
+            if spec.owns_kv:
+                self._k[spec.layer_id] = torch.zeros(self._buffer_shape(spec), dtype=dtype, device=self.device)
+                self._v[spec.layer_id] = torch.zeros(self._buffer_shape(spec), dtype=dtype, device=self.device)
+
+    def _buffer_shape(self, spec: AttentionLayerSpec) -> tuple[int, int, int]:
+        """[slots of the layer's pool + padding slot 0, kv_heads, head_dim]."""
+        rows = (self.allocator.swa_size if spec.is_sliding else self.allocator.full_size) + 1
+        return (rows, spec.num_kv_heads, spec.head_dim)
 
     def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (K, V) buffers layer `layer_id` reads: its own, or its owner's for a KV-shared layer."""
@@ -71,8 +73,7 @@ class HybridKVPool:
             owner = self.layers[spec.kv_owner]
             if not owner.owns_kv or owner.layer_id > spec.layer_id or owner.layer_type != spec.layer_type:
                 raise AssertionError(f"layer {spec.layer_id} reads KV of layer {owner.layer_id}, not a valid owner")
-            rows = (self.allocator.swa_size if spec.is_sliding else self.allocator.full_size) + 1
-            shape = (rows, spec.num_kv_heads, spec.head_dim)
+            shape = self._buffer_shape(spec)
             for name, buffer in (("K", self._k[owner.layer_id]), ("V", self._v[owner.layer_id])):
                 if tuple(buffer.shape) != shape or buffer.dtype != self.dtype:
                     raise AssertionError(
@@ -82,15 +83,14 @@ class HybridKVPool:
         self.allocator.check_integrity()
 
 
+def layer_kv_bytes(spec: AttentionLayerSpec, dtype: torch.dtype) -> int:
+    """Bytes of one token's K and V in one layer."""
+    return 2 * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+
+
 def kv_bytes_per_token(layers: Sequence[AttentionLayerSpec], dtype: torch.dtype) -> tuple[int, int]:
     """(full, swa) bytes per token of K and V over the layers that own KV."""
-    item = torch.empty((), dtype=dtype).element_size()
-    full = swa = 0
-    for spec in layers:
-        if spec.owns_kv:
-            size = 2 * spec.num_kv_heads * spec.head_dim * item
-            if spec.is_sliding:
-                swa += size
-            else:
-                full += size
+    owners = [spec for spec in layers if spec.owns_kv]
+    full = sum(layer_kv_bytes(spec, dtype) for spec in owners if not spec.is_sliding)
+    swa = sum(layer_kv_bytes(spec, dtype) for spec in owners if spec.is_sliding)
     return full, swa

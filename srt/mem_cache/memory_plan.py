@@ -19,7 +19,7 @@ import torch
 from transformers import Gemma4ForCausalLM
 
 from srt.configs.model_config import ModelConfig
-from srt.mem_cache.kv_pool import kv_bytes_per_token
+from srt.mem_cache.kv_pool import kv_bytes_per_token, layer_kv_bytes
 
 DEFAULT_SWA_RATIO_MOE = 0.15
 DEFAULT_SWA_RATIO_DENSE = 0.8
@@ -53,8 +53,7 @@ def count_weight_bytes(model_config: ModelConfig, dtype: torch.dtype) -> int:
     """
     with torch.device("meta"):
         model = Gemma4ForCausalLM(model_config.hf_text_config)
-    item = torch.empty((), dtype=dtype).element_size()
-    return sum(param.numel() for param in model.parameters()) * item
+    return sum(param.numel() for param in model.parameters()) * dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -161,8 +160,7 @@ def concurrency(plan: MemoryPlan, model_config: ModelConfig, dtype: torch.dtype,
     window = model_config.sliding_window
     by_full = plan.full_tokens // context_len
     by_swa = plan.swa_tokens // min(context_len, window) if plan.swa_bytes_per_token else by_full
-    item = torch.empty((), dtype=dtype).element_size()
-    naive_bpt = sum(2 * spec.num_kv_heads * spec.head_dim * item for spec in model_config.layers)
+    naive_bpt = sum(layer_kv_bytes(spec, dtype) for spec in model_config.layers)
     return Concurrency(
         context_len=context_len,
         requests=min(by_full, by_swa),
