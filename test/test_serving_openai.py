@@ -262,6 +262,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]}, "messages"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
     ("/generate", {"input_ids": [1, -3]}, "input_ids"),
+    ("/generate", {"text": "hi", "sampling_params": 5}, "sampling_params"),
     ("/generate", {"text": "hi", "bogus": 1}, "bogus"),
 ]
 

@@ -72,17 +72,18 @@ class GenerateReqInput:
         rids = _per_prompt("rid", self.rid, num, self.is_batch)
         singles = []
         for i in range(num):
-            sampling = dict(params[i] or {})
             if not isinstance(params[i] or {}, dict):
                 raise ValueError(f"sampling_params must be an object, got {params[i]!r}")
+            sampling = dict(params[i] or {})
             n = sampling.pop("n", 1)
-            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
-                raise ValueError(f"n must be an int >= 1, got {n!r}")
+            _check_int("n", n, low=1)
             if not isinstance(return_logprob[i], bool):
                 raise ValueError(f"return_logprob must be a bool, got {return_logprob[i]!r}")
             _check_int("top_logprobs_num", top[i], low=0)
             if start[i] is not None:
                 _check_int("logprob_start_len", start[i], low=-1)
+            if rids[i] is not None and not isinstance(rids[i], str):
+                raise ValueError(f"rid must be a string (one per prompt for a batch), got {rids[i]!r}")
             base_rid = rids[i] or uuid.uuid4().hex
             for j in range(n):
                 sample = dict(sampling)
