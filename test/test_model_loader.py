@@ -95,3 +95,15 @@ def test_dummy_weights_are_seeded() -> None:
     c = load_model(config, None, "dummy", torch.float32, torch.device("cpu"), seed=4).state_dict()
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert not torch.equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+
+
+def test_eos_ids_include_generation_config(tiny_checkpoint, tmp_path) -> None:
+    from srt.model_executor.model_runner import checkpoint_eos_token_ids
+
+    path = tiny_checkpoint(PRESET)
+    config = ModelConfig.from_pretrained(path)
+    # <eos> 1 and <turn|> 106 come from config.json; generation_config.json adds <tool_response|> 50
+    assert checkpoint_eos_token_ids(config, str(path)) == [1, 50, 106]
+    bare = copy_checkpoint(path, tmp_path / "ckpt")
+    (bare / "generation_config.json").unlink()
+    assert checkpoint_eos_token_ids(config, str(bare)) == [1, 106]

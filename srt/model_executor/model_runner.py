@@ -53,6 +53,7 @@ class ModelRunner:
             self.model_config, model_path, load_format, self.dtype, self.device, seed=server_args.seed
         )
         self.context_len = server_args.context_length or self.model_config.context_len
+        self.eos_token_ids = checkpoint_eos_token_ids(self.model_config, server_args.model_path)
         full_tokens, swa_tokens = self._pool_sizes()
         self.req_to_token_pool = ReqToTokenPool(
             server_args.max_running_requests, min(self.context_len, full_tokens) + 1, self.device
@@ -74,16 +75,6 @@ class ModelRunner:
             swa_tokens,
             backend,
         )
-
-    @property
-    def eos_token_ids(self) -> list[int]:
-        """EOS ids of the config and of generation_config.json (Gemma's end-of-turn token is only there)."""
-        ids = set(self.model_config.eos_token_ids)
-        path = Path(self.server_args.model_path)
-        if (path / "generation_config.json").is_file():
-            eos = GenerationConfig.from_pretrained(str(path)).eos_token_id
-            ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        return sorted(ids)
 
     def _pool_sizes(self) -> tuple[int, int]:
         """(full, swa) pool tokens: --max-total-tokens, else --mem-fraction-static of the GPU's memory."""
@@ -120,3 +111,13 @@ class ModelRunner:
                 self.yoco_rows_skipped_total,
             )
         return output
+
+
+def checkpoint_eos_token_ids(model_config: ModelConfig, model_path: str) -> list[int]:
+    """EOS ids of the config and of generation_config.json (Gemma's end-of-turn token is only there)."""
+    ids = set(model_config.eos_token_ids)
+    path = Path(model_path)
+    if (path / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(str(path)).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(ids)
