@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from srt.layers.attention.triton_kernels.paged_kv import LOG2E, dot_precision, kv_slots
+from srt.layers.attention.triton_kernels.paged_kv import LOG2E, dot_precision, kv_slots, row_kv_bounds
 
 
 @dataclass(frozen=True)
@@ -186,14 +186,9 @@ def _extend_kernel(
     # KV positions some row of the tile sees: [kv_start, kv_end); those every row sees: [all_start, all_end)
     pos_hi = tl.max(tl.where(m_ok, pos, -1))
     pos_lo = tl.min(tl.where(m_ok, pos, pos_hi))
-    kv_end = tl.minimum(pos_hi + 1, seq_len)
-    if SLIDING:
-        kv_start = tl.maximum(pos_lo - window + 1, 0)
-        all_start = tl.maximum(pos_hi - window + 1, 0)
-    else:
-        kv_start = pos_lo * 0
-        all_start = pos_lo * 0
-    all_end = tl.maximum(tl.minimum(pos_lo + 1, kv_end), all_start)
+    kv_start, lo_end = row_kv_bounds(pos_lo, seq_len, window, SLIDING)
+    all_start, kv_end = row_kv_bounds(pos_hi, seq_len, window, SLIDING)
+    all_end = tl.maximum(lo_end, all_start)
     all_end = all_start + (all_end - all_start) // BLOCK_N * BLOCK_N  # whole blocks only: no bounds mask
 
     m_i = tl.full([BLOCK_Q * HEADS_PER_PROG], float("-inf"), tl.float32)
