@@ -87,7 +87,7 @@ class Engine:
         )
         prepared = self._call(self._prepare(obj))
         if not stream:
-            return self._call(self._collect(obj, prepared))
+            return obj.answer(self._call(self.tokenizer_manager.generate_all(obj, prepared=prepared)))
         return self._stream(obj, prepared)
 
     async def async_generate(self, *args: Any, **kwargs: Any) -> dict | list[dict] | AsyncIterator[dict]:
@@ -95,7 +95,7 @@ class Engine:
         obj = GenerateReqInput(**_generate_kwargs(*args, **kwargs))
         prepared = await self._acall(self._prepare(obj))
         if not obj.stream:
-            return await self._acall(self._collect(obj, prepared))
+            return obj.answer(await self._acall(self.tokenizer_manager.generate_all(obj, prepared=prepared)))
         return self._astream(obj, prepared)
 
     def _stream(self, obj: GenerateReqInput, prepared: list) -> Iterator[dict]:
@@ -126,12 +126,6 @@ class Engine:
 
     async def _prepare(self, obj: GenerateReqInput) -> list:
         return self.tokenizer_manager.prepare(obj)
-
-    async def _collect(self, obj: GenerateReqInput, prepared: list) -> dict | list[dict]:
-        results: list[dict | None] = [None] * len(prepared)
-        async for index, result in self.tokenizer_manager.generate(obj, prepared=prepared):
-            results[index] = result
-        return results if obj.returns_list() else results[0]
 
     # ---- info and lifetime -------------------------------------------------------------------------------
     def get_server_info(self) -> dict:

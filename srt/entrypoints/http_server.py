@@ -76,7 +76,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         """Healthy only if a one-token generation completes."""
         obj = GenerateReqInput(input_ids=[tm.info.eos_token_ids[0]], sampling_params={"max_new_tokens": 1})
         try:
-            await asyncio.wait_for(_collect(tm, obj), HEALTH_GENERATE_TIMEOUT_S)
+            await asyncio.wait_for(tm.generate_all(obj), HEALTH_GENERATE_TIMEOUT_S)
         except (asyncio.TimeoutError, RuntimeError):
             return Response(status_code=503)
         return Response(status_code=200)
@@ -111,7 +111,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         prepared = tm.prepare(obj)
         if obj.stream:
             return _sse(_generate_stream(tm, obj, prepared))
-        return JSONResponse(await _collect(tm, obj, prepared, request))
+        return JSONResponse(obj.answer(await tm.generate_all(obj, request.is_disconnected, prepared)))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -145,17 +145,6 @@ def _describe(error: pydantic.ValidationError) -> tuple[str, str | None]:
     loc = [str(part) for part in first["loc"]]
     where = ".".join(loc)
     return (f"{where}: {first['msg']}" if where else first["msg"]), (loc[0] if loc else None)
-
-
-async def _collect(
-    tm: TokenizerManager, obj: GenerateReqInput, prepared: list | None = None, request: Request | None = None
-) -> dict | list[dict]:
-    prepared = prepared if prepared is not None else tm.prepare(obj)
-    results: list[Any] = [None] * len(prepared)
-    is_disconnected = request.is_disconnected if request is not None else None
-    async for index, result in tm.generate(obj, is_disconnected, prepared):
-        results[index] = result
-    return results if obj.returns_list() else results[0]
 
 
 async def _generate_stream(tm: TokenizerManager, obj: GenerateReqInput, prepared: list) -> AsyncIterator[str]:

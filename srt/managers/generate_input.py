@@ -109,6 +109,10 @@ class GenerateReqInput:
         n = params.get("n", 1) if isinstance(params, dict) else 1
         return self.is_batch or n != 1
 
+    def answer(self, results: list[dict]) -> dict | list[dict]:
+        """The reply to this request from its results in output order: the list, or its one result."""
+        return results if self.returns_list() else results[0]
+
 
 @dataclass
 class SingleReq:

@@ -204,6 +204,19 @@ class TokenizerManager:
             for rid in pending:  # the reader left early (disconnect, error, cancellation): stop the rest
                 self.abort(rid)
 
+    async def generate_all(
+        self,
+        obj: GenerateReqInput,
+        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+        prepared: list[TokenizedGenerateReq] | None = None,
+    ) -> list[dict]:
+        """Run a non-streaming `obj` to the end: every output's whole result, in output order."""
+        requests = prepared if prepared is not None else self.prepare(obj)
+        results: list[dict] = [{}] * len(requests)
+        async for index, result in self.generate(obj, is_disconnected, requests):
+            results[index] = result
+        return results
+
     async def _next(self, queue: asyncio.Queue, watch: _DisconnectWatch | None) -> object:
         if watch is None:
             return await queue.get()

@@ -55,9 +55,7 @@ class ChatRun:
         self.id, self.created = new_id("chatcmpl"), now()
 
     async def response(self, is_disconnected: Callable[[], Awaitable[bool]] | None) -> dict:
-        results: list[dict] = [{}] * len(self.prepared)
-        async for index, result in self.tm.generate(self.obj, is_disconnected, self.prepared):
-            results[index] = result
+        results = await self.tm.generate_all(self.obj, is_disconnected, self.prepared)
         choices = []
         for index, result in enumerate(results):
             meta = result["meta_info"]

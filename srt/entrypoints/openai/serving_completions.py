@@ -51,9 +51,7 @@ class CompletionRun:
         self.id, self.created = new_id("cmpl"), now()
 
     async def response(self, is_disconnected: Callable[[], Awaitable[bool]] | None) -> dict:
-        results: list[dict] = [{}] * len(self.prepared)
-        async for index, result in self.tm.generate(self.obj, is_disconnected, self.prepared):
-            results[index] = result
+        results = await self.tm.generate_all(self.obj, is_disconnected, self.prepared)
         choices = [self._choice(index, result, first=True) for index, result in enumerate(results)]
         return {
             **self._envelope(),
