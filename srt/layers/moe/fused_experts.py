@@ -21,6 +21,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from srt.layers.moe.fused_routing import triton_runs_on
+
 try:
     from srt.layers.moe.triton_kernels import experts as experts_kernels
 except ImportError:  # no triton: grouped_mm or the torch loop
@@ -134,10 +136,7 @@ def grouped_mm_supported(hidden: torch.Tensor) -> bool:
 
 def triton_supported(hidden: torch.Tensor) -> bool:
     """The Triton kernels run on CUDA, or on the CPU when they were decorated under TRITON_INTERPRET=1."""
-    if experts_kernels is None:
-        return False
-    interpreted = type(experts_kernels._gate_up_kernel).__name__ == "InterpretedFunction"
-    return hidden.is_cuda or (hidden.device.type == "cpu" and interpreted)
+    return experts_kernels is not None and triton_runs_on(hidden.device, experts_kernels._gate_up_kernel)
 
 
 # Eager H100 timings (docs/benchmarks.md, MoE): grouped_mm is faster up to 512 tokens (fewer host-side launches
