@@ -10,8 +10,9 @@ token's top_k weighted outputs:
 - "grouped_mm": `torch._grouped_mm` (CUTLASS grouped GEMM, bf16 on Hopper) over the gathered token rows in
   expert order (`ExpertRuns`), gelu * up and the weighting in torch between and after.
 
-`fused_experts` picks one (`default_backend`) or falls back to the torch loop of `Experts.forward` where
-neither can run. That loop stays the CPU path and the oracle of the tests.
+`fused_experts` runs the one asked for, or `default_backend`'s pick, and raises ValueError where neither can
+run (`Experts.forward` calls it only on CUDA or when a backend is forced). The torch loop
+`Experts.forward_reference` stays the CPU path and the oracle of the tests.
 """
 
 from __future__ import annotations
