@@ -75,8 +75,9 @@ def test_pad_to_blocks_layout() -> None:
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 2]], device=DEVICE)
     runs = fe.sort_by_expert(ids, num_experts=5)
     assert runs.order.tolist() == [1, 4, 3, 7, 0, 2, 5, 6]
+    assert runs.experts.tolist() == [0, 0, 1, 2, 3, 3, 3, 3]
     assert runs.counts.tolist() == [2, 1, 1, 4, 0]
-    blocks = fe.pad_to_blocks(runs, ids, block_m=2)
+    blocks = fe.pad_to_blocks(runs, block_m=2)
     #                                     e0   | e1   | e2   | e3         | unused (max_blocks = 7)
     assert blocks.slot_of_row.tolist() == [1, 4, 3, 8, 7, 8, 0, 2, 5, 6, 8, 8, 8, 8]
     assert blocks.block_expert.tolist() == [0, 1, 2, 3, 3, 4, 4]

@@ -36,6 +36,7 @@ class ExpertRuns(NamedTuple):
     """The slots in expert order (stable: by slot within an expert) and where each expert's run ends."""
 
     order: torch.Tensor  # [slots] int64: slot ids sorted by expert
+    experts: torch.Tensor  # [slots] int64: the expert of each slot in `order` (ascending)
     counts: torch.Tensor  # [experts] int64: slots routed to each expert
     ends: torch.Tensor  # [experts] int64: cumulative counts
 
@@ -51,13 +52,13 @@ class ExpertBlocks(NamedTuple):
 def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> ExpertRuns:
     """Group the slots of `expert_ids` [tokens, top_k] by expert, on the device."""
     flat = expert_ids.reshape(-1).to(torch.int64)
-    order = torch.argsort(flat, stable=True)
+    experts, order = torch.sort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    return ExpertRuns(order, counts, torch.cumsum(counts, 0))
+    return ExpertRuns(order, experts, counts, torch.cumsum(counts, 0))
 
 
-def pad_to_blocks(runs: ExpertRuns, expert_ids: torch.Tensor, block_m: int) -> ExpertBlocks:
+def pad_to_blocks(runs: ExpertRuns, block_m: int) -> ExpertBlocks:
     """Pad each expert's run of slots to a multiple of block_m rows.
 
     The number of blocks is bounded from shapes alone (every non-empty run wastes < block_m rows and at most
@@ -68,9 +69,8 @@ def pad_to_blocks(runs: ExpertRuns, expert_ids: torch.Tensor, block_m: int) -> E
     device = runs.order.device
     padded = (runs.counts + block_m - 1) // block_m * block_m
     padded_ends = torch.cumsum(padded, 0)
-    sorted_experts = expert_ids.reshape(-1).to(torch.int64)[runs.order]
-    rank_in_run = torch.arange(num_slots, device=device) - (runs.ends - runs.counts)[sorted_experts]
-    rows = (padded_ends - padded)[sorted_experts] + rank_in_run
+    rank_in_run = torch.arange(num_slots, device=device) - (runs.ends - runs.counts)[runs.experts]
+    rows = (padded_ends - padded)[runs.experts] + rank_in_run
     max_blocks = -(-(num_slots + min(num_experts, num_slots) * (block_m - 1)) // block_m)
     slot_of_row = torch.full((max_blocks * block_m,), num_slots, dtype=torch.int32, device=device)
     slot_of_row[rows] = runs.order.to(torch.int32)
@@ -97,7 +97,7 @@ def triton_experts(
     num_experts = gate_up_proj.shape[0]
     if config is None:
         config = experts_kernels.default_experts_config(tokens * top_k, num_experts, hidden.is_cuda)
-    blocks = pad_to_blocks(sort_by_expert(expert_ids, num_experts), expert_ids, config.block_m)
+    blocks = pad_to_blocks(sort_by_expert(expert_ids, num_experts), config.block_m)
     hidden, gate_up_proj, down_proj = hidden.contiguous(), gate_up_proj.contiguous(), down_proj.contiguous()
     act = experts_kernels.grouped_gate_up(hidden, gate_up_proj, *blocks, top_k, config)
     flat_weights = weights.reshape(-1).float().contiguous()
