@@ -71,8 +71,6 @@ class RadixCache(PrefixCache):
         self.root = TreeNode((), self._empty, None)
         self._locks: Counter[int] = Counter()  # node_id -> lock() calls not yet undone
         self._clock = 0  # logical time of the last access; LRU order without wall-clock ties
-        self._cached = 0
-        self._evictable = 0
 
     # ---- lookups -------------------------------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
@@ -138,8 +136,6 @@ class RadixCache(PrefixCache):
     def _add_node(self, parent: TreeNode, key: tuple[int, ...], slots: torch.Tensor) -> TreeNode:
         node = TreeNode(key, slots, parent)
         parent.children[key[0]] = node
-        self._cached += len(node)
-        self._evictable += len(node)
         return node
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
@@ -158,8 +154,6 @@ class RadixCache(PrefixCache):
         self._check_attached(node)
         self._locks[node.node_id] += 1
         while node is not self.root:
-            if node.lock_ref == 0:
-                self._evictable -= len(node)
             node.lock_ref += 1
             node = node.parent
 
@@ -171,8 +165,6 @@ class RadixCache(PrefixCache):
             del self._locks[node.node_id]
         while node is not self.root:
             node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self._evictable += len(node)
             node = node.parent
 
     def _check_attached(self, node: TreeNode) -> None:
@@ -202,8 +194,6 @@ class RadixCache(PrefixCache):
         """Unhook an unlocked leaf and return its slots (full, and SWA where still held) to the allocator."""
         self.allocator.free(leaf.slots)
         del leaf.parent.children[leaf.key[0]]
-        self._cached -= len(leaf)
-        self._evictable -= len(leaf)
 
     def _nodes(self) -> Iterator[TreeNode]:
         """Every node but the root, parents before children."""
@@ -228,15 +218,20 @@ class RadixCache(PrefixCache):
 
     # ---- accounting ----------------------------------------------------------------------------------
     def stats(self) -> CacheStats:
+        """Counted over the tree (stats serve logs and checks, not the scheduling loop)."""
         total, free = self._full.size, self._full.available()
-        return CacheStats(total, free, self._cached, self._evictable, total - free - self._cached)
+        cached = evictable = 0
+        for node in self._nodes():
+            cached += len(node)
+            evictable += 0 if node.lock_ref else len(node)
+        return CacheStats(total, free, cached, evictable, total - free - cached)
 
     def check_integrity(self, request_slots: torch.Tensor | None = None) -> None:
         self.allocator.check_integrity()
-        cached = evictable = 0
-        ids = {self.root.node_id}
+        ids, tree_slots = {self.root.node_id}, []
         for node in self._nodes():
             ids.add(node.node_id)
+            tree_slots.append(node.slots)
             if not len(node) or len(node.key) != len(node.slots):
                 raise AssertionError(f"node has {len(node.key)} tokens and {len(node.slots)} slots: {node!r}")
             if node.parent.children.get(node.key[0]) is not node:
@@ -246,17 +241,11 @@ class RadixCache(PrefixCache):
                 raise AssertionError(
                     f"lock_ref {node.lock_ref} != {self._locks[node.node_id]} locks + {below} below: {node!r}"
                 )
-            cached += len(node)
-            evictable += 0 if node.lock_ref else len(node)
             self._check_node(node)
-        if (cached, evictable) != (self._cached, self._evictable):
-            raise AssertionError(
-                f"counters cached={self._cached} evictable={self._evictable}, tree has {cached} / {evictable}"
-            )
         if stale := [node_id for node_id in self._locks if node_id not in ids]:
             raise AssertionError(f"locks held on nodes no longer in the tree: {stale}")
-        tree_slots = torch.cat([n.slots for n in self._nodes()]) if self._cached else self._empty
-        check_partition("full", self._full.size, self._full.free_slots(), tree_slots, request_slots)
+        all_tree_slots = torch.cat(tree_slots) if tree_slots else self._empty
+        check_partition("full", self._full.size, self._full.free_slots(), all_tree_slots, request_slots)
         self._check_pools(request_slots)
 
     def _check_node(self, node: TreeNode) -> None:

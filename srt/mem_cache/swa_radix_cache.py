@@ -37,8 +37,6 @@ class SWARadixCache(RadixCache):
         self.allocator: SWATokenAllocator = allocator
         self.sliding_window = sliding_window
         self._window_tail = sliding_window - 1  # tokens before a prefix end that must keep SWA KV
-        self._swa_cached = 0
-        self._swa_evictable = 0
 
     # ---- match-end rule ------------------------------------------------------------------------------
     def _usable(self, path: list[TreeNode]) -> list[TreeNode]:
@@ -64,11 +62,7 @@ class SWARadixCache(RadixCache):
         for end in range(1, len(key) + 1):
             if end == len(key) or live[end] != live[start]:
                 parent = self._add_node(parent, key[start:end], slots[start:end])
-                if live[start]:
-                    self._swa_cached += end - start
-                    self._swa_evictable += end - start
-                else:
-                    parent.tombstone = True
+                parent.tombstone = not live[start]
                 nodes.append(parent)
                 start = end
         return nodes
@@ -94,8 +88,6 @@ class SWARadixCache(RadixCache):
         to_swa[node.slots] = to_swa[request_slots[tail:]]
         to_swa[request_slots[tail:]] = 0
         node.tombstone = False
-        self._swa_cached += len(node)
-        self._swa_evictable += len(node)  # tombstones are never SWA-locked
         return node
 
     # ---- locks ---------------------------------------------------------------------------------------
@@ -111,8 +103,6 @@ class SWARadixCache(RadixCache):
         while need > 0 and cur is not self.root:
             if len(cur) > need:
                 self._split(cur, len(cur) - need)  # lock exactly the window, not a whole long node
-            if cur.swa_lock_ref == 0:
-                self._swa_evictable -= len(cur)
             cur.swa_lock_ref += 1
             need -= len(cur)
             cur = cur.parent
@@ -121,8 +111,6 @@ class SWARadixCache(RadixCache):
         super().unlock(node)
         for cur in self._window_nodes(node):
             cur.swa_lock_ref -= 1
-            if cur.swa_lock_ref == 0:
-                self._swa_evictable += len(cur)
 
     def _window_nodes(self, node: TreeNode) -> list[TreeNode]:
         """Nodes holding the last W-1 tokens up to `node` (lock split them so the window ends on a node)."""
@@ -152,8 +140,6 @@ class SWARadixCache(RadixCache):
             if node.children or node.lock_ref:
                 self.allocator.free_swa(node.slots)
                 node.tombstone = True
-                self._swa_cached -= len(node)
-                self._swa_evictable -= len(node)
                 continue
             parent = node.parent
             self._delete_leaf(node)
@@ -163,18 +149,15 @@ class SWARadixCache(RadixCache):
                 parent = grandparent
         return freed
 
-    def _delete_leaf(self, leaf: TreeNode) -> None:
-        super()._delete_leaf(leaf)
-        if not leaf.tombstone:
-            self._swa_cached -= len(leaf)
-            self._swa_evictable -= len(leaf)
-
     # ---- accounting ----------------------------------------------------------------------------------
     def swa_stats(self) -> CacheStats:
-        """Token counts of the SWA pool (cached = live tokens in the tree)."""
+        """Token counts of the SWA pool (cached = live tokens in the tree), counted over the tree."""
         swa = self.allocator.swa
         total, free = swa.size, swa.available()
-        return CacheStats(total, free, self._swa_cached, self._swa_evictable, total - free - self._swa_cached)
+        live = [node for node in self._nodes() if not node.tombstone]
+        cached = sum(len(node) for node in live)
+        evictable = sum(len(node) for node in live if not node.swa_lock_ref)
+        return CacheStats(total, free, cached, evictable, total - free - cached)
 
     def _check_node(self, node: TreeNode) -> None:
         mapped = self.allocator.full_to_swa[node.slots] != 0
@@ -192,7 +175,6 @@ class SWARadixCache(RadixCache):
         for node_id, count in self._locks.items():
             for cur in self._window_nodes(by_id[node_id]):
                 expected[cur.node_id] = expected.get(cur.node_id, 0) + count
-        live = swa_cached = swa_evictable = 0
         live_slots = []
         for node in self._nodes():
             if node.swa_lock_ref != expected.get(node.node_id, 0):
@@ -200,17 +182,9 @@ class SWARadixCache(RadixCache):
                     f"swa_lock_ref {node.swa_lock_ref} != {expected.get(node.node_id, 0)} windows: {node!r}"
                 )
             if not node.tombstone:
-                live += 1
-                swa_cached += len(node)
-                swa_evictable += 0 if node.swa_lock_ref else len(node)
                 live_slots.append(node.slots)
-        if (swa_cached, swa_evictable) != (self._swa_cached, self._swa_evictable):
-            raise AssertionError(
-                f"SWA counters cached={self._swa_cached} evictable={self._swa_evictable}, "
-                f"tree has {swa_cached} / {swa_evictable}"
-            )
         to_swa = self.allocator.full_to_swa
-        tree_swa = to_swa[torch.cat(live_slots)] if live else self._empty
+        tree_swa = to_swa[torch.cat(live_slots)] if live_slots else self._empty
         request_swa = None
         if request_slots is not None:
             request_swa = to_swa[request_slots.to(torch.int64)]
