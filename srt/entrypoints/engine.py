@@ -106,7 +106,7 @@ class Engine:
                     index, chunk = self._call(_anext(chunks))
                 except StopAsyncIteration:
                     return
-                yield {**chunk, "index": index} if obj.returns_list() else chunk
+                yield obj.stream_chunk(index, chunk)
         finally:
             if not self._loop.is_closed():
                 self._call(chunks.aclose())  # aborts what is still running
@@ -119,7 +119,7 @@ class Engine:
                     index, chunk = await self._acall(_anext(chunks))
                 except StopAsyncIteration:
                     return
-                yield {**chunk, "index": index} if obj.returns_list() else chunk
+                yield obj.stream_chunk(index, chunk)
         finally:
             if not self._loop.is_closed():
                 await self._acall(chunks.aclose())

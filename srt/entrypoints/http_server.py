@@ -151,7 +151,7 @@ async def _generate_stream(tm: TokenizerManager, obj: GenerateReqInput, prepared
     chunks = tm.generate(obj, prepared=prepared)
     try:
         async for index, chunk in chunks:
-            yield sse({**chunk, "index": index} if obj.returns_list() else chunk)
+            yield sse(obj.stream_chunk(index, chunk))
         yield SSE_DONE
     finally:
         await chunks.aclose()  # a client that went away aborts what is still running

@@ -113,6 +113,10 @@ class GenerateReqInput:
         """The reply to this request from its results in output order: the list, or its one result."""
         return results if self.returns_list() else results[0]
 
+    def stream_chunk(self, index: int, chunk: dict) -> dict:
+        """A streamed chunk as users get it: labelled with its output `index` when the reply is a list."""
+        return {**chunk, "index": index} if self.returns_list() else chunk
+
 
 @dataclass
 class SingleReq:
