@@ -180,3 +180,19 @@ def test_req_token_slices_equal_slices_of_all_ids() -> None:
         for stop in range(start, 9):
             assert req.tokens(start, stop) == req.all_ids[start:stop], (start, stop)
     assert req.num_tokens == len(req.all_ids) == 7
+
+
+@pytest.mark.parametrize("overrides", [{}, {"disable_radix_cache": True}], ids=["radix", "no-radix"])
+def test_integrity_holds_after_every_step(tiny_checkpoint, overrides) -> None:
+    scheduler = make_scheduler(tiny_checkpoint(PRESET), max_total_tokens=200, chunked_prefill_size=32, **overrides)
+    for i, ids in enumerate(prompts(6, seed=11)):
+        scheduler.add_request(greedy(str(i), ids))
+    while scheduler.has_work():
+        scheduler.step()
+        scheduler.check_integrity()  # free + cached + running requests' slots == pool, mid-run too
+        if scheduler.running and scheduler.allocator.available():
+            leaked = scheduler.allocator.alloc(1)  # a slot nobody owns must be noticed while requests run
+            with pytest.raises(AssertionError, match="lost slots"):
+                scheduler.check_integrity()
+            scheduler.allocator.free(leaked)
+    assert_idle_and_consistent(scheduler)

@@ -270,8 +270,10 @@ class Scheduler:
 
     # ---- checks --------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Every pool and cache is consistent; when idle, no slot is held by a request."""
-        self.cache.check_integrity()
+        """Every pool and cache is consistent: free + cached + the running requests' own slots == the pool."""
+        table = self.req_to_token_pool.req_to_token
+        own = [table[req.req_pool_idx, req.prefix.prefix_len : req.kv_len].long() for req in self.running]
+        self.cache.check_integrity(torch.cat(own) if own else torch.empty(0, dtype=torch.int64))
         self.allocator.check_integrity()
         self.req_to_token_pool.check_integrity()
         if not self.running and self.req_to_token_pool.in_use():
