@@ -75,15 +75,15 @@ class Engine:
         `stream=True` returns an iterator of incremental chunks (batch chunks carry their output `index`).
         Raises ValueError naming the bad field before anything runs.
         """
-        obj = GenerateReqInput(
-            text=prompt,
-            input_ids=input_ids,
-            sampling_params=sampling_params,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len,
-            top_logprobs_num=top_logprobs_num,
-            stream=stream,
-            return_text_in_logprobs=return_text_in_logprobs,
+        obj = _generate_input(
+            prompt,
+            sampling_params,
+            input_ids,
+            return_logprob,
+            logprob_start_len,
+            top_logprobs_num,
+            stream,
+            return_text_in_logprobs,
         )
         prepared = self._call(self._prepare(obj))
         if not stream:
@@ -92,7 +92,7 @@ class Engine:
 
     async def async_generate(self, *args: Any, **kwargs: Any) -> dict | list[dict] | AsyncIterator[dict]:
         """`generate` for coroutines (any event loop); with stream=True it returns an async iterator."""
-        obj = GenerateReqInput(**_generate_kwargs(*args, **kwargs))
+        obj = _generate_input(*args, **kwargs)
         prepared = await self._acall(self._prepare(obj))
         if not obj.stream:
             return obj.answer(await self._acall(self.tokenizer_manager.generate_all(obj, prepared=prepared)))
@@ -168,7 +168,7 @@ async def _anext(iterator: AsyncIterator) -> Any:
     return await iterator.__anext__()
 
 
-def _generate_kwargs(
+def _generate_input(
     prompt: str | list[str] | None = None,
     sampling_params: dict | list[dict] | None = None,
     input_ids: list[int] | list[list[int]] | None = None,
@@ -177,14 +177,15 @@ def _generate_kwargs(
     top_logprobs_num: int | list[int] = 0,
     stream: bool = False,
     return_text_in_logprobs: bool = False,
-) -> dict:
-    return {
-        "text": prompt,
-        "input_ids": input_ids,
-        "sampling_params": sampling_params,
-        "return_logprob": return_logprob,
-        "logprob_start_len": logprob_start_len,
-        "top_logprobs_num": top_logprobs_num,
-        "stream": stream,
-        "return_text_in_logprobs": return_text_in_logprobs,
-    }
+) -> GenerateReqInput:
+    """The request `Engine.generate` and `async_generate` take, by the same arguments (`prompt` is `text`)."""
+    return GenerateReqInput(
+        text=prompt,
+        input_ids=input_ids,
+        sampling_params=sampling_params,
+        return_logprob=return_logprob,
+        logprob_start_len=logprob_start_len,
+        top_logprobs_num=top_logprobs_num,
+        stream=stream,
+        return_text_in_logprobs=return_text_in_logprobs,
+    )
