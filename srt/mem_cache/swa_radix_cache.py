@@ -93,34 +93,34 @@ class SWARadixCache(RadixCache):
     # ---- locks ---------------------------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
         """Lock the whole prefix for full attention and its last W-1 tokens for sliding attention."""
-        need, cur = self._window_tail, node
-        while need > 0 and cur is not self.root:
-            if cur.tombstone:
-                raise ValueError(f"cannot lock a prefix whose last W-1 tokens lack SWA KV: {node!r}")
-            need, cur = need - len(cur), cur.parent
+        window = self._window_nodes(node)
+        if any(cur.tombstone for cur in window):
+            raise ValueError(f"cannot lock a prefix whose last W-1 tokens lack SWA KV: {node!r}")
         super().lock(node)
-        need, cur = self._window_tail, node
-        while need > 0 and cur is not self.root:
-            if len(cur) > need:
-                self._split(cur, len(cur) - need)  # lock exactly the window, not a whole long node
+        if (over := sum(len(cur) for cur in window) - self._window_tail) > 0:
+            self._split(window[-1], over)  # lock exactly the window, not a whole long node
+        for cur in window:
             cur.swa_lock_ref += 1
-            need -= len(cur)
-            cur = cur.parent
 
     def unlock(self, node: TreeNode) -> None:
         super().unlock(node)
-        for cur in self._window_nodes(node):
+        for cur in self._locked_window(node):
             cur.swa_lock_ref -= 1
 
     def _window_nodes(self, node: TreeNode) -> list[TreeNode]:
-        """Nodes holding the last W-1 tokens up to `node` (lock split them so the window ends on a node)."""
+        """Nodes holding the last W-1 tokens up to `node`, nearest first; the farthest may reach further back."""
         nodes, need = [], self._window_tail
         while need > 0 and node is not self.root:
             nodes.append(node)
             need -= len(node)
             node = node.parent
-        if need < 0:
-            raise AssertionError(f"SWA lock window does not end on a node boundary ({-need} tokens over)")
+        return nodes
+
+    def _locked_window(self, node: TreeNode) -> list[TreeNode]:
+        """The nodes `lock(node)` SWA-locked: its window, which lock split to start on a node boundary."""
+        nodes = self._window_nodes(node)
+        if (over := sum(len(cur) for cur in nodes) - self._window_tail) > 0:
+            raise AssertionError(f"SWA lock window does not end on a node boundary ({over} tokens over)")
         return nodes
 
     # ---- eviction ------------------------------------------------------------------------------------
@@ -173,7 +173,7 @@ class SWARadixCache(RadixCache):
         by_id[self.root.node_id] = self.root
         expected: dict[int, int] = {}
         for node_id, count in self._locks.items():
-            for cur in self._window_nodes(by_id[node_id]):
+            for cur in self._locked_window(by_id[node_id]):
                 expected[cur.node_id] = expected.get(cur.node_id, 0) + count
         live_slots = []
         for node in self._nodes():
