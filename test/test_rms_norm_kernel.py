@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernel is decorated, at its first import
 
 pytest.importorskip("triton")
 

@@ -1,8 +1,8 @@
 """The `triton` attention backend against the `torch_native` reference over the same paged KV.
 
-Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set below before anything
-imports triton) at small shapes: head_dim 32 (sliding) and 64 (full), GQA 4/2 and 4/1, window 8, requests
-with prefix hits, a request with no rows, single-row requests, decode rows with split KV, SWA slots freed
+Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set in conftest.py before
+anything imports triton) at small shapes: head_dim 32 (sliding) and 64 (full), GQA 4/2 and 4/1, window 8,
+requests with prefix hits, a request with no rows, single-row requests, decode rows with split KV, SWA slots freed
 outside the window and handed to other tokens, the padding slot filled with large values, and KV-shared
 layers reading their owner's buffers. With CUDA the same scenarios run on the GPU, plus the `gpu` tests at
 Gemma 4 shapes (head_dim 256 and 512, bf16) and the tiny checkpoint's greedy outputs under both backends.
@@ -11,23 +11,19 @@ Gemma 4 shapes (head_dim 256 and 512, bf16) and the tiny checkpoint's greedy out
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # read when the kernels are decorated, i.e. at their first import
-
-from srt.configs.model_config import FULL, SLIDING, AttentionLayerSpec  # noqa: E402
-from srt.layers.attention import create_attention_backend  # noqa: E402
-from srt.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from srt.layers.attention.triton_kernels import decode_attention as decode_kernels  # noqa: E402
-from srt.layers.attention.triton_kernels.extend_attention import build_extend_tiles  # noqa: E402
-from srt.mem_cache.allocator import SWATokenAllocator  # noqa: E402
-from srt.mem_cache.kv_pool import HybridKVPool  # noqa: E402
-from srt.mem_cache.req_to_token_pool import ReqToTokenPool  # noqa: E402
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from srt.configs.model_config import FULL, SLIDING, AttentionLayerSpec
+from srt.layers.attention import create_attention_backend
+from srt.layers.attention.triton_backend import TritonAttentionBackend
+from srt.layers.attention.triton_kernels import decode_attention as decode_kernels
+from srt.layers.attention.triton_kernels.extend_attention import build_extend_tiles
+from srt.mem_cache.allocator import SWATokenAllocator
+from srt.mem_cache.kv_pool import HybridKVPool
+from srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 WINDOW = 8
@@ -59,11 +55,7 @@ def _index_scalars_with_item() -> None:
 
 
 if DEVICE.type == "cpu":
-    from triton.runtime.interpreter import InterpretedFunction
-
     _index_scalars_with_item()
-    if not isinstance(decode_kernels._decode_split_kernel, InterpretedFunction):
-        pytest.skip("the triton kernels were imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
 
 
 def make_layers(
