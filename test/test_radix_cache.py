@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.mem_cache.allocator import TokenSlotAllocator
+from srt.mem_cache.allocator import SWATokenAllocator, TokenSlotAllocator
 from srt.mem_cache.base_prefix_cache import CacheStats
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.radix_cache import RadixCache
@@ -169,3 +169,15 @@ def test_release_drops_a_request_without_caching_it() -> None:
     assert ids(alloc.free_slots()[-2:]) == [3, 4]
     assert ids(cache.match_prefix([1, 2, 3]).slots) == [1, 2] and cache.evictable() == 2
     cache.check_integrity(request_slots=torch.tensor([], dtype=torch.int64))
+
+
+def test_chunk_cache_integrity_covers_the_swa_pool() -> None:
+    alloc = SWATokenAllocator(full_size=8, swa_size=8)
+    cache = ChunkCache(alloc)
+    row = alloc.alloc(3)  # full 1 2 3 -> SWA 1 2 3, held by a running request
+    cache.check_integrity(request_slots=row)
+    alloc.swa.alloc(1)  # SWA slot 4 handed out and never mapped: lost
+    alloc.swa.free(alloc.translate(row[:1]))  # SWA slot 1 freed while full slot 1 still maps to it
+    alloc.check_integrity()  # the allocator's own counts still add up
+    with pytest.raises(AssertionError, match=r"swa pool: slots \[1\] are held twice"):
+        cache.check_integrity(request_slots=row)

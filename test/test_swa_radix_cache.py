@@ -146,3 +146,12 @@ def test_lock_refuses_a_prefix_whose_window_is_tombstoned() -> None:
     with pytest.raises(ValueError, match="lack SWA KV"):
         cache.lock(node)
     cache.check_integrity(request_slots=NONE)  # nothing half-locked
+
+
+def test_integrity_catches_an_swa_slot_both_free_and_cached() -> None:
+    alloc, cache = cache_with_tombstoned_request()  # live tokens: full slots 8 9 10 -> SWA 8 9 10
+    alloc.swa.alloc(1)  # SWA slot 11 handed out and never mapped: lost
+    alloc.swa.free(alloc.translate(torch.tensor([8])))  # SWA slot 8 freed while the tree still maps it
+    alloc.check_integrity()  # the allocator's own counts still add up
+    with pytest.raises(AssertionError, match=r"swa pool: slots \[8\] are held twice"):
+        cache.check_integrity(request_slots=NONE)
