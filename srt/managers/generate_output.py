@@ -65,7 +65,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 @dataclass
 class ResultBuilder:
-    """Accumulates one request's outputs; `chunk()` gives the incremental dict, `result()` the whole one."""
+    """Accumulates one request's outputs (`add`); `chunk()` gives the incremental dict, `result()` the whole one."""
 
     rid: str
     return_logprob: bool
@@ -79,8 +79,8 @@ class ResultBuilder:
     meta: dict = field(default_factory=dict)
     finished: bool = False
 
-    def add(self, out: StrOutput) -> dict:
-        """Record a step output; returns the streamed chunk for it."""
+    def add(self, out: StrOutput) -> None:
+        """Record a step output."""
         o = out.output
         self.text += out.text
         self.output_ids += o.new_token_ids
@@ -95,6 +95,10 @@ class ResultBuilder:
             "finish_reason": o.finished_reason.to_json() if o.finished_reason else None,
             "e2e_latency": time.monotonic() - self.created,
         }
+
+    def chunk(self, out: StrOutput) -> dict:
+        """The streamed chunk of `out`, the step output `add` recorded last (only streams need one)."""
+        o = out.output
         return {
             "text": out.text,
             "output_ids": list(o.new_token_ids),

@@ -192,12 +192,12 @@ class TokenizerManager:
                 if isinstance(item, Exception):
                     raise item
                 state, out = item
-                chunk = self._on_output(state, out)
+                self._on_output(state, out)
                 if out.output.finished:
                     pending.discard(out.output.rid)
                     self.states.pop(out.output.rid, None)
                 if obj.stream:
-                    yield state.index, chunk
+                    yield state.index, state.builder.chunk(out)
                 elif out.output.finished:
                     yield state.index, state.builder.result()
         finally:
@@ -228,7 +228,7 @@ class TokenizerManager:
             except asyncio.TimeoutError:
                 continue
 
-    def _on_output(self, state: _ReqState, out: StrOutput) -> dict:
+    def _on_output(self, state: _ReqState, out: StrOutput) -> None:
         now, o = time.monotonic(), out.output
         if o.new_token_ids:
             if state.last_token_time is None:
@@ -236,12 +236,11 @@ class TokenizerManager:
             else:
                 self.metrics.next_tokens(now - state.last_token_time, len(o.new_token_ids))
             state.last_token_time = now
-        chunk = state.builder.add(out)
+        state.builder.add(out)
         if o.finished:
             reason = o.finished_reason.kind if o.finished_reason else "unknown"
             e2e = now - state.builder.created
             self.metrics.finished(reason, o.prompt_tokens, o.completion_tokens, o.cached_tokens, e2e)
-        return chunk
 
     def abort(self, rid: str) -> None:
         """Stop a request and forget it; its later outputs are dropped."""
