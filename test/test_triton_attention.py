@@ -140,30 +140,6 @@ class PagedState:
         self.req_to_token.check_integrity()
 
 
-def subset_batch(batch: ForwardBatch, positions: list[list[int]]) -> ForwardBatch:
-    """The batch's requests with arbitrary contiguous query positions each (YOCO), over their whole KV."""
-    flat = [p for rows in positions for p in rows]
-    counts = [len(rows) for rows in positions]
-    device = batch.seq_lens.device
-    prefix = [rows[0] if rows else seq_len for rows, seq_len in zip(positions, batch.seq_lens_cpu, strict=True)]
-    return ForwardBatch(
-        mode=ForwardMode.EXTEND,
-        input_ids=torch.ones(len(flat), dtype=torch.int64, device=device),
-        positions=torch.tensor(flat, dtype=torch.int64, device=device),
-        req_pool_indices=batch.req_pool_indices,
-        seq_lens=batch.seq_lens,
-        extend_prefix_lens=torch.tensor(prefix, dtype=torch.int64, device=device),
-        extend_seq_lens=torch.tensor(counts, dtype=torch.int64, device=device),
-        out_cache_loc=torch.zeros(len(flat), dtype=torch.int64, device=device),
-        logits_rows=torch.arange(len(flat), device=device),
-        req_to_token_pool=batch.req_to_token_pool,
-        kv_pool=batch.kv_pool,
-        seq_lens_cpu=batch.seq_lens_cpu,
-        extend_prefix_lens_cpu=prefix,
-        extend_seq_lens_cpu=counts,
-    )
-
-
 def compare_backends(
     state: PagedState, batch: ForwardBatch, save_kv: bool = True, dtype: torch.dtype = torch.float32
 ) -> list[float]:
@@ -273,14 +249,17 @@ def test_decode_kernel_any_split_count_gives_the_same_output(num_splits: int) ->
 
 @pytest.mark.parametrize("sliding_kv,full_kv,window", GQA)
 def test_row_subsets_attend_over_the_whole_prefix(sliding_kv: int, full_kv: int, window: int) -> None:
-    """YOCO: after the KV-owning layers, only some rows of each request run, each over its full prefix."""
+    """YOCO: after the KV-owning layers, only some rows of each request run, each over its full prefix.
+
+    Batch rows (`prefix_hit_state`): fresh 0..29 at positions 0..29, hit 30..36 at 14..20, one_row 37 at 13.
+    """
     state, batch = prefix_hit_state(sliding_kv, full_kv, window)
     compare_backends(state, batch)  # writes the batch's KV
-    # rows from a position on (several rows per request: the extend kernel) ...
-    several = subset_batch(batch, [[21, 22, 23, 24, 25, 26, 27, 28, 29], [18, 19, 20], [], []])
+    # rows from a position on (several rows per request: the extend kernel): fresh 21..29, hit 18..20 ...
+    several = batch.select_rows([*range(21, 30), 34, 35, 36])
     compare_backends(state, several, save_kv=False)
-    # ... and only the last row of each request (one row each: the split-KV kernel), one request skipped
-    last = subset_batch(batch, [[29], [], [13], [8]])
+    # ... and only the last row of some requests (one row each: the split-KV kernel), hit and no_rows skipped
+    last = batch.select_rows([29, 37])
     compare_backends(state, last, save_kv=False)
     state.check_integrity()
 
