@@ -172,3 +172,16 @@ def check_partition(
         raise AssertionError(f"{name} pool: {counts} != {size} total; lost slots {lost[:8]}")
     if int(seen.sum()) > size:
         raise AssertionError(f"{name} pool: {counts} > {size} total")
+
+
+def check_swa_partition(
+    allocator: SWATokenAllocator, cached_full_slots: torch.Tensor, request_slots: torch.Tensor | None
+) -> None:
+    """`check_partition` of the SWA pool: free, the SWA slots of cached live tokens, those of requests' tokens."""
+    to_swa = allocator.full_to_swa
+    request_swa = None
+    if request_slots is not None:
+        request_swa = to_swa[request_slots.to(torch.int64)]
+        request_swa = request_swa[request_swa != 0]
+    swa = allocator.swa
+    check_partition("swa", swa.size, swa.free_slots(), to_swa[cached_full_slots], request_swa)

@@ -17,6 +17,7 @@ from srt.mem_cache.base_prefix_cache import (
     MatchResult,
     PrefixCache,
     check_partition,
+    check_swa_partition,
     full_pool_of,
 )
 from srt.mem_cache.radix_cache import TreeNode
@@ -71,9 +72,7 @@ class ChunkCache(PrefixCache):
             raise AssertionError(f"chunk cache holds state: {self._locks} locks, {len(self.root.children)} nodes")
         check_partition("full", self._full.size, self._full.free_slots(), self._empty, request_slots)
         if isinstance(self.allocator, SWATokenAllocator) and request_slots is not None:
-            swa = self.allocator.full_to_swa[request_slots.to(torch.int64)]
-            swa_pool = self.allocator.swa
-            check_partition("swa", swa_pool.size, swa_pool.free_slots(), self._empty, swa[swa != 0])
+            check_swa_partition(self.allocator, self._empty, request_slots)
 
     def _check_root(self, node: TreeNode) -> None:
         if node is not self.root:

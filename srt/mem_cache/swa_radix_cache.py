@@ -23,7 +23,7 @@ import heapq
 import torch
 
 from srt.mem_cache.allocator import SWATokenAllocator
-from srt.mem_cache.base_prefix_cache import CacheStats, check_partition
+from srt.mem_cache.base_prefix_cache import CacheStats, check_swa_partition
 from srt.mem_cache.radix_cache import RadixCache, TreeNode
 
 
@@ -183,10 +183,4 @@ class SWARadixCache(RadixCache):
                 )
             if not node.tombstone:
                 live_slots.append(node.slots)
-        to_swa = self.allocator.full_to_swa
-        tree_swa = to_swa[torch.cat(live_slots)] if live_slots else self._empty
-        request_swa = None
-        if request_slots is not None:
-            request_swa = to_swa[request_slots.to(torch.int64)]
-            request_swa = request_swa[request_swa != 0]
-        check_partition("swa", self.allocator.swa.size, self.allocator.swa.free_slots(), tree_swa, request_swa)
+        check_swa_partition(self.allocator, torch.cat(live_slots) if live_slots else self._empty, request_slots)
