@@ -264,6 +264,21 @@ def test_row_subsets_attend_over_the_whole_prefix(sliding_kv: int, full_kv: int,
     state.check_integrity()
 
 
+def test_debug_kv_indices_rejects_a_slot_outside_the_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SRT_DEBUG_KV_INDICES=1: a req_to_token entry past the full pool stops the forward before any kernel."""
+    monkeypatch.setenv("SRT_DEBUG_KV_INDICES", "1")
+    state, batch = prefix_hit_state(2, 1, WINDOW)
+    compare_backends(state, batch)  # every index in range: the checks pass
+    hit_row = int(batch.req_pool_indices[1])
+    state.req_to_token.req_to_token[hit_row, 3] = state.allocator.full_size + 1
+    backend = TritonAttentionBackend()
+    backend.init_forward_metadata(batch)
+    for spec in state.layers[:2]:
+        q = torch.randn(batch.num_tokens, spec.num_heads, spec.head_dim, device=DEVICE)
+        with pytest.raises(IndexError, match="full KV index out of range"):
+            backend.forward(q, None, None, spec, batch, save_kv=False)
+
+
 def test_extend_tiles_cover_every_row_once_last_tile_first() -> None:
     lens = torch.tensor([5, 0, 1, 8], device=DEVICE)
     tiles = build_extend_tiles(lens, num_rows=14, block_q=4).cpu()
