@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 
 import pytest
@@ -10,7 +11,11 @@ import pytest
 from srt.entrypoints.launch_server import parse_args
 from srt.entrypoints.model_source import resolve_model_path
 from srt.managers.generate_input import GenerateReqInput
+from srt.managers.io_struct import SchedulerInfo
+from srt.managers.ipc import PortArgs
+from srt.managers.tokenizer_manager import TokenizerManager
 from srt.server_args import ServerArgs
+from srt.tools.tokenizer_builder import build_tokenizer
 
 
 def test_every_server_arg_is_a_flag_with_help():
@@ -102,3 +107,21 @@ def test_generate_request_split():
 def test_generate_request_errors_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         GenerateReqInput(**kwargs).expand()
+
+
+def test_rid_must_be_unique_in_a_request_and_among_running_requests():
+    info = SchedulerInfo(64, 1024, 1000, 1000, [1], "cpu", "float32")
+    port_args = PortArgs.create()
+    tm = TokenizerManager(ServerArgs(model_path="m"), port_args, info, build_tokenizer(1024))
+    try:
+        with pytest.raises(ValueError, match="rid must be unique"):
+            tm.prepare(GenerateReqInput(input_ids=[[5, 6], [7, 8]], rid=["a", "a"]))
+        samples = tm.prepare(GenerateReqInput(input_ids=[5, 6], rid="a", sampling_params={"n": 2}))
+        assert [r.rid for r in samples] == ["a-0", "a-1"]
+        tm.states["b"] = None  # a running request
+        with pytest.raises(ValueError, match="rid must be unique"):
+            tm.prepare(GenerateReqInput(input_ids=[5, 6], rid="b"))
+        assert [r.rid for r in tm.prepare(GenerateReqInput(input_ids=[[5, 6], [7]], rid=["c", "d"]))] == ["c", "d"]
+    finally:
+        asyncio.run(tm.close())
+        port_args.cleanup()
