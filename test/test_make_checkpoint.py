@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gemma4ForCausalLM, GenerationConfig
 
 from srt.configs import presets
-from srt.tools.make_checkpoint import main, make_checkpoint
+from srt.tools.make_checkpoint import main, make_checkpoint, randomize_weights
 
 TINY = [f"tiny-{name}" for name in presets.PUBLISHED]
 LARGE = {"tiny-gemma-4-26B-A4B-it", "tiny-gemma-4-31B-it"}  # open the model turn with an empty thought channel
@@ -197,3 +198,23 @@ def test_rejects_published_presets_and_unknown_dtypes(tmp_path):
         make_checkpoint("gemma-4-E2B-it", tmp_path)
     with pytest.raises(ValueError, match="dtype"):
         make_checkpoint("tiny-gemma-4-E2B-it", tmp_path, dtype="float8")
+
+
+def test_rebuilding_over_a_sharded_checkpoint_leaves_no_stale_index(tmp_path):
+    preset = "tiny-gemma-4-E2B-it"
+    make_checkpoint(preset, tmp_path, max_shard_size="200KB")
+    make_checkpoint(preset, tmp_path)
+    assert sorted(path.name for path in tmp_path.glob("model*")) == ["model.safetensors"]
+
+
+def test_randomize_weights_refuses_a_parameter_or_saved_buffer_it_does_not_know():
+    model = Gemma4ForCausalLM(presets.preset_text_config("tiny-gemma-4-E2B-it"))
+    model.register_buffer("scratch", torch.zeros(2), persistent=False)  # not saved: needs no init
+    randomize_weights(model, 0)
+    model.model.register_buffer("extra_scale", torch.ones(2))  # saved with the weights
+    with pytest.raises(RuntimeError, match="does not know how to initialise: model.extra_scale"):
+        randomize_weights(model, 0)
+    del model.model.extra_scale
+    model.lm_head.extra = nn.Parameter(torch.zeros(2))
+    with pytest.raises(RuntimeError, match="does not know how to initialise: lm_head.extra$"):
+        randomize_weights(model, 0)
