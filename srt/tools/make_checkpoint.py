@@ -78,10 +78,8 @@ def make_checkpoint(
         eos_token_id=[end_of_text, end_of_turn, ids[tokenizer_builder.TOOL_RESPONSE]],
         pad_token_id=config.pad_token_id,
     ).save_pretrained(out)
-    # The on-device variants (E2B, E4B: the ones with per-layer inputs) open the model turn without an empty
-    # thought channel; 26B-A4B and 31B close one when thinking is off.
-    on_device = bool(config.hidden_size_per_layer_input)
-    tokenizer = tokenizer_builder.build_tokenizer(config.vocab_size, empty_thought_channel=not on_device)
+    empty_thought_channel = tokenizer_builder.opens_empty_thought_channel(config)
+    tokenizer = tokenizer_builder.build_tokenizer(config.vocab_size, empty_thought_channel)
     tokenizer.save_pretrained(out)
     return out
 

@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 DATA_DIR = Path(__file__).with_name("data")
 CHAT_TEMPLATE_FILE = Path(__file__).with_name("chat_template.jinja")
@@ -123,6 +123,14 @@ def build_backend_tokenizer(vocab_size: int) -> Tokenizer:
         single=f"{BOS} $A", pair=f"{BOS} $A $B:1", special_tokens=[(BOS, specials[BOS])]
     )
     return tokenizer
+
+
+def opens_empty_thought_channel(text_config: PretrainedConfig) -> bool:
+    """Whether the chat template opens the model turn with an empty thought channel when thinking is off.
+
+    26B-A4B and 31B do; the on-device variants E2B and E4B (the ones with per-layer inputs) do not.
+    """
+    return not text_config.hidden_size_per_layer_input
 
 
 def chat_template(empty_thought_channel: bool) -> str:
