@@ -13,7 +13,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
@@ -38,7 +38,7 @@ class ServingProcesses:
     port_args: PortArgs
     children: dict[str, BaseProcess]
     info: SchedulerInfo | None = None
-    stopped: bool = field(default=False)
+    stopped: bool = False
 
     def problem(self) -> str | None:
         """A message naming a child that died, or None while all are alive."""

@@ -52,7 +52,6 @@ class SchedulerLoop:
 
     def __init__(self, scheduler: Scheduler, server_args: ServerArgs, port_args: PortArgs) -> None:
         self.scheduler = scheduler
-        self.args = server_args
         self.context = zmq.Context()
         self.recv_socket = socket(self.context, zmq.PULL, port_args.scheduler_input, bind=True)
         self.send_socket = socket(self.context, zmq.PUSH, port_args.detokenizer_input, bind=False)

@@ -124,8 +124,8 @@ class TokenizerManager:
         vocab, context = self.info.vocab_size, self.info.context_len
         if any(not 0 <= tok < vocab for tok in ids):
             raise ValueError(f"input_ids must be token ids in [0, {vocab})")
-        if len(ids) >= min(context, self.info.max_total_tokens):
-            limit = min(context, self.info.max_total_tokens)
+        limit = min(context, self.info.max_total_tokens)
+        if len(ids) >= limit:
             raise ValueError(f"prompt is too long: {len(ids)} tokens; the context length is {limit}")
         sampling = dict(single.sampling_params)
         if "max_new_tokens" not in sampling:
@@ -160,7 +160,8 @@ class TokenizerManager:
             raise RuntimeError(self.dead)
         singles = obj.expand()
         requests = [self.tokenize(single, obj.add_special_tokens) for single in singles]
-        if len({req.rid for req in requests} | set(self.states)) != len(requests) + len(self.states):
+        rids = {req.rid for req in requests}
+        if len(rids) != len(requests) or not rids.isdisjoint(self.states):
             raise ValueError("rid must be unique among running requests")
         return requests
 

@@ -36,12 +36,11 @@ class ChatRun:
         self.tm, self.request = tm, request
         prompt = apply_chat_template(tm.tokenizer, request.messages, request.chat_template_kwargs or {})
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
-        self.top = request.top_logprobs or 0
         self.obj = GenerateReqInput(
             text=prompt,
             sampling_params=request.sampling_params(max_tokens),
             return_logprob=request.logprobs,
-            top_logprobs_num=self.top if request.logprobs else 0,
+            top_logprobs_num=(request.top_logprobs or 0) if request.logprobs else 0,
             stream=request.stream,
             add_special_tokens=False,
         )
