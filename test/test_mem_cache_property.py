@@ -153,7 +153,7 @@ class CacheMachine(RuleBasedStateMachine):
         req.match = self.cache.cache_unfinished(req.tokens[: req.kv_len], row, req.match)
         self.pool.write(req.row, 0, req.match.slots)  # row[:prefix_len] now holds the cache's own slots
         req.freed_upto = max(req.freed_upto, req.match.prefix_len)
-        self.check_insert(expected, row)
+        self.check_insert(expected)
 
     @rule(data=st.data(), keep=st.booleans())
     @precondition(lambda self: self.reqs)
@@ -164,7 +164,7 @@ class CacheMachine(RuleBasedStateMachine):
         if keep:  # finished, or aborted / retracted with its KV kept
             expected = self.expected_tree(req, row)
             self.cache.cache_finished(req.tokens[: req.kv_len], row, req.match)
-            self.check_insert(expected, row)
+            self.check_insert(expected)
         else:  # aborted without caching
             self.cache.release(row, req.match)
         self.pool.free(req.row)
@@ -183,7 +183,7 @@ class CacheMachine(RuleBasedStateMachine):
                 event("insert revives tombstoned tokens")
         return ref, live
 
-    def check_insert(self, expected: tuple[dict, dict], row: torch.Tensor) -> None:
+    def check_insert(self, expected: tuple[dict, dict]) -> None:
         ref, live = expected
         assert tree_contents(self.cache) == ref
         if self.kind == "swa":
