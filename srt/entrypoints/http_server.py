@@ -115,17 +115,13 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        run = CompletionRun(tm, CompletionRequest.model_validate(await _json_object(request)))
-        if run.request.stream:
-            return _sse(run.stream())
-        return JSONResponse(await run.response(request.is_disconnected))
+        body = CompletionRequest.model_validate(await _json_object(request))
+        return await _respond(CompletionRun(tm, body), request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        run = ChatRun(tm, ChatCompletionRequest.model_validate(await _json_object(request)))
-        if run.request.stream:
-            return _sse(run.stream())
-        return JSONResponse(await run.response(request.is_disconnected))
+        body = ChatCompletionRequest.model_validate(await _json_object(request))
+        return await _respond(ChatRun(tm, body), request)
 
     return app
 
@@ -145,6 +141,13 @@ def _describe(error: pydantic.ValidationError) -> tuple[str, str | None]:
     loc = [str(part) for part in first["loc"]]
     where = ".".join(loc)
     return (f"{where}: {first['msg']}" if where else first["msg"]), (loc[0] if loc else None)
+
+
+async def _respond(run: CompletionRun | ChatRun, request: Request) -> Response:
+    """A checked OpenAI request's reply: an SSE stream, or one JSON body (aborted if the client leaves)."""
+    if run.request.stream:
+        return _sse(run.stream())
+    return JSONResponse(await run.response(request.is_disconnected))
 
 
 async def _generate_stream(tm: TokenizerManager, obj: GenerateReqInput, prepared: list) -> AsyncIterator[str]:
