@@ -258,6 +258,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": -1}, "top_p"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 600}]}, "messages"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "temperature"),
