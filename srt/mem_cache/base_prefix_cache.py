@@ -96,6 +96,13 @@ class PrefixCache(ABC):
         nothing more is evictable.
         """
 
+    def evict_swa(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` sliding-window slots if that many are evictable; returns how many.
+
+        Caches that hold no sliding-window KV of their own free none.
+        """
+        return 0
+
     @abstractmethod
     def stats(self) -> CacheStats:
         """Token counts of the full pool."""
