@@ -1,4 +1,5 @@
-"""launch_server's command line, `--model` resolution, and the split of a generate request (no processes)."""
+"""launch_server's command line, `--model` resolution, a dummy preset's tokenizer, and the split and checks of a
+generate request (no processes)."""
 
 from __future__ import annotations
 
@@ -125,3 +126,18 @@ def test_rid_must_be_unique_in_a_request_and_among_running_requests():
     finally:
         asyncio.run(tm.close())
         port_args.cleanup()
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma-4-E4B-it", "tiny-gemma-4-26B-A4B-it"])
+def test_dummy_preset_tokenizer_templates_as_its_checkpoint(tiny_checkpoint, preset):
+    """`--load-format dummy` serves a preset with a stand-in tokenizer: its chat template must be the one
+    make_checkpoint saves for that preset (E4B opens the model turn without a thought channel, 26B with one)."""
+    from transformers import AutoTokenizer
+
+    from srt.managers.tokenizer_loader import load_tokenizer
+
+    served = load_tokenizer(ServerArgs(model_path=preset, load_format="dummy"))
+    saved = AutoTokenizer.from_pretrained(tiny_checkpoint(preset))
+    messages = [{"role": "user", "content": "hi"}]
+    prompts = [t.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) for t in (served, saved)]
+    assert prompts[0] == prompts[1]
