@@ -36,10 +36,8 @@ def load_tokenizer(server_args: ServerArgs):
                 path,
                 presets.TINY_VOCAB_SIZE,
             )
-        # As make_checkpoint: on-device variants (with per-layer inputs) open the model turn without a thought
-        # channel, 26B-A4B and 31B with an empty one.
-        on_device = bool(config.hidden_size_per_layer_input)
-        return tokenizer_builder.build_tokenizer(presets.TINY_VOCAB_SIZE, empty_thought_channel=not on_device)
+        empty_thought_channel = tokenizer_builder.opens_empty_thought_channel(config)
+        return tokenizer_builder.build_tokenizer(presets.TINY_VOCAB_SIZE, empty_thought_channel=empty_thought_channel)
     return AutoTokenizer.from_pretrained(path)
 
 
