@@ -196,3 +196,15 @@ def test_integrity_holds_after_every_step(tiny_checkpoint, overrides) -> None:
                 scheduler.check_integrity()
             scheduler.allocator.free(leaked)
     assert_idle_and_consistent(scheduler)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"disable_radix_cache": True}], ids=["radix", "no-radix"])
+def test_swa_pool_stats_add_up(tiny_checkpoint, overrides) -> None:
+    scheduler = make_scheduler(tiny_checkpoint(PRESET), **overrides)
+    scheduler.add_request(greedy("a", prompts(1, seed=6, low=40, high=41)[0], max_new_tokens=30))
+    for _ in range(3):
+        scheduler.step()
+    stats = scheduler.cache.swa_stats()
+    assert stats.total == scheduler.allocator.swa_size and stats.free == scheduler.allocator.swa.available()
+    assert stats.free + stats.cached + stats.in_use == stats.total
+    assert stats.in_use + stats.cached > 0  # the running request's window is held by it or by the cache

@@ -27,7 +27,6 @@ from srt.managers.io_struct import (
 )
 from srt.managers.ipc import PARENT_CHECK_INTERVAL_S, PortArgs, ReadyReport, parent_alive, report, setup_child, socket
 from srt.managers.scheduler import Scheduler
-from srt.mem_cache.swa_radix_cache import SWARadixCache
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -144,12 +143,8 @@ def pool_stats(scheduler: Scheduler) -> dict[str, PoolStats]:
     """Token counts of the full pool and the sliding-window pool."""
     full = scheduler.cache.stats()
     pools = {"full": PoolStats(full.total, full.free, full.cached, full.evictable, full.in_use)}
-    if isinstance(scheduler.cache, SWARadixCache):
-        swa = scheduler.cache.swa_stats()
-        pools["swa"] = PoolStats(swa.total, swa.free, swa.cached, swa.evictable, swa.in_use)
-    else:  # without a radix cache nothing is cached: whatever is not free is held by requests
-        swa_pool = scheduler.allocator.swa
-        pools["swa"] = PoolStats(swa_pool.size, swa_pool.available(), 0, 0, swa_pool.size - swa_pool.available())
+    swa = scheduler.cache.swa_stats()
+    pools["swa"] = PoolStats(swa.total, swa.free, swa.cached, swa.evictable, swa.in_use)
     return pools
 
 

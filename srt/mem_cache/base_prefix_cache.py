@@ -103,6 +103,13 @@ class PrefixCache(ABC):
         """
         return 0
 
+    def swa_stats(self) -> CacheStats:
+        """Token counts of the sliding-window pool; here for caches that hold none of it themselves."""
+        if not isinstance(self.allocator, SWATokenAllocator):
+            raise ValueError("this cache's allocator has no sliding-window pool")
+        swa = self.allocator.swa
+        return CacheStats(swa.size, swa.available(), 0, 0, swa.size - swa.available())
+
     @abstractmethod
     def stats(self) -> CacheStats:
         """Token counts of the full pool."""
