@@ -284,6 +284,8 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, client, name)
 
 
 def test_metrics_and_server_info(server):
+    # histograms print their buckets once they hold an observation: serve one request of our own first
+    httpx.post(f"{server.url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
     text = httpx.get(f"{server.url}/metrics").text
     for metric in (
         "srt_num_running_reqs",
