@@ -9,10 +9,31 @@ from pathlib import Path
 import pytest
 import torch
 
+
+def _index_scalars_with_item() -> None:
+    """Triton 3.6's interpreter holds scalars as 1-element arrays and `range()` over them calls int() on the
+    array, which NumPy >= 2.4 refuses; convert through .item() instead (interpreter only)."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_srt_item_index", False):
+        return
+
+    def patched(tensor, scope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patched._srt_item_index = True
+    interpreter._patch_lang_tensor = patched
+
+
 if not torch.cuda.is_available():
     # Triton reads this when a kernel is decorated, i.e. when its module is first imported: it must be set
     # before any test (or srt module a test imports) loads a kernel, so CPU runs use Triton's interpreter.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    _index_scalars_with_item()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

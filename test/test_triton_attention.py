@@ -37,27 +37,6 @@ GQA = [(2, 1, 8), (1, 2, 24)]
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _index_scalars_with_item() -> None:
-    """Triton 3.6's interpreter holds scalars as 1-element arrays and `range()` over them calls int() on the
-    array, which NumPy >= 2.4 refuses; convert through .item() instead (interpreter only)."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_srt_item_index", False):
-        return
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    patched._srt_item_index = True
-    interpreter._patch_lang_tensor = patched
-
-
-if DEVICE.type == "cpu":
-    _index_scalars_with_item()
-
-
 def make_layers(
     sliding_kv: int, full_kv: int, heads: int = HEADS, dims: tuple[int, int] = (32, 64), window: int = WINDOW
 ) -> tuple[AttentionLayerSpec, ...]:
