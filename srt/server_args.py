@@ -61,6 +61,14 @@ class ServerArgs:
         "lpm", "Admission order: lpm = longest cached prefix first, fcfs = arrival order.", SCHEDULE_POLICIES
     )
     disable_radix_cache: bool = _arg(False, "Do not reuse KV of shared prompt prefixes across requests.")
+    disable_cuda_graph: bool = _arg(
+        False,
+        "Launch every kernel of decode steps (and of YOCO's KV-shared layers) eagerly instead of replaying "
+        "CUDA graphs captured at start-up (GPU with the triton backend only).",
+    )
+    cuda_graph_max_bs: int | None = _arg(
+        None, "Largest batch captured in a CUDA graph (default: --max-running-requests); larger ones run eagerly."
+    )
     # ---- serving ----
     host: str = _arg("127.0.0.1", "Address the HTTP server listens on (0.0.0.0: every interface).")
     port: int = _arg(30000, "Port of the HTTP server.")
@@ -93,6 +101,8 @@ class ServerArgs:
             raise ValueError(f"chunked_prefill_size must be >= 0; got {self.chunked_prefill_size}")
         if self.max_running_requests <= 0:
             raise ValueError(f"max_running_requests must be > 0; got {self.max_running_requests}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs <= 0:
+            raise ValueError(f"cuda_graph_max_bs must be > 0; got {self.cuda_graph_max_bs}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535]; got {self.port}")
         if self.log_interval < 0:

@@ -10,13 +10,18 @@ import torch
 
 
 class ReqToTokenPool:
-    """A [max_requests, max_context] int32 table plus a free list of rows."""
+    """A [max_requests + 1, max_context] int32 table plus a free list of rows.
+
+    The extra last row, `padding_row`, is never handed out and stays all zeros (slot 0, the allocators'
+    padding slot): rows that only pad a batch to a captured CUDA-graph size point at it.
+    """
 
     def __init__(self, max_requests: int, max_context: int, device: torch.device | str = "cpu") -> None:
         self.max_requests = max_requests
         self.max_context = max_context
         self.device = torch.device(device)
-        self.req_to_token = torch.zeros((max_requests, max_context), dtype=torch.int32, device=self.device)
+        self.padding_row = max_requests
+        self.req_to_token = torch.zeros((max_requests + 1, max_context), dtype=torch.int32, device=self.device)
         self._free_rows: list[int] = list(range(max_requests))
 
     def available(self) -> int:
@@ -44,3 +49,5 @@ class ReqToTokenPool:
         rows = self._free_rows
         if len(set(rows)) != len(rows) or any(not 0 <= r < self.max_requests for r in rows):
             raise AssertionError(f"request-row free list is corrupt: {rows}")
+        if self.req_to_token[self.padding_row].any():
+            raise AssertionError("the padding row of req_to_token was written to")

@@ -55,6 +55,7 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    logits_rows_cpu: list[int] = field(default_factory=list)
     attn_metadata: Any = None  # built by the attention backend's init_forward_metadata
 
     @property
@@ -119,6 +120,7 @@ class ForwardBatch:
             logits_rows=torch.arange(len(chosen), dtype=torch.int64, device=device),
             extend_prefix_lens_cpu=prefix_lens,
             extend_seq_lens_cpu=counts,
+            logits_rows_cpu=list(range(len(chosen))),
             attn_metadata=None,
         )
 
@@ -159,4 +161,5 @@ class ForwardBatch:
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=list(prefix_lens),
             extend_seq_lens_cpu=extend_lens,
+            logits_rows_cpu=list(logits_rows),
         )

@@ -15,6 +15,7 @@ from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.kv_pool import HybridKVPool
 from srt.mem_cache.memory_plan import plan_memory
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from srt.model_executor.cuda_graph_runner import DecodeGraphs, SharedLayerGraphs, default_batch_sizes
 from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_loader.loader import load_model
 from srt.server_args import ServerArgs
@@ -66,6 +67,9 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(backend)
         # rows the KV-shared layers did not run on, over every forward so far (YOCO fast prefill; /metrics)
         self.yoco_rows_skipped_total = 0
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and backend == "triton" and not server_args.disable_cuda_graph:
+            self.capture_cuda_graphs()
         logger.info(
             "model ready: %s on %s (%s), KV pools: full %d tokens, swa %d tokens, attention %s",
             server_args.model_path,
@@ -99,8 +103,28 @@ class ModelRunner:
         self.memory_plan = plan
         return plan.full_tokens, plan.swa_tokens
 
+    def capture_cuda_graphs(self, use_graphs: bool = True) -> None:
+        """Capture decode steps and YOCO's KV-shared layers per batch size (`use_graphs=False`: run the same
+        padded steps eagerly, which is how CPU tests cover them)."""
+        args = self.server_args
+        max_bs = min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests)
+        batch_sizes = default_batch_sizes(max_bs)
+        pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        pools = (self.req_to_token_pool, self.kv_pool)
+        self.decode_graphs = DecodeGraphs(self.model, self.attn_backend, *pools, batch_sizes, use_graphs, pool)
+        text_model = self.model.model
+        if text_model.yoco_layer is not None:
+            text_model.shared_layer_graphs = SharedLayerGraphs(
+                text_model, self.attn_backend, *pools, batch_sizes, use_graphs, pool
+            )
+
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
-        """Logits of `batch.logits_rows`; KV of the batch's new tokens is written to the pools."""
+        """Logits of `batch.logits_rows`; KV of the batch's new tokens is written to the pools.
+
+        The output of a CUDA-graph replay lives in the graph's buffers: read it before the next forward.
+        """
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            return self.decode_graphs(batch)
         output = self.model(batch, self.attn_backend)
         if output.yoco_skipped_rows:
             self.yoco_rows_skipped_total += output.yoco_skipped_rows

@@ -9,9 +9,12 @@ YOCO fast prefill (E2B, E4B): the KV-shared layers write no KV, so nothing later
 whose logits nobody needs. Before the first of them the batch shrinks to its logits rows:
 
     layers 0 .. first_shared-1   every row (they write the KV every later row reads)
-    gather logits_rows           hidden, per-layer inputs, cos/sin, ForwardBatch.select_rows + metadata
+    gather logits_rows           hidden, per-layer inputs; ForwardBatch.select_rows + metadata
     layers first_shared .. end   logits rows only, each attending over its request's whole prefix
     final norm, LM head          logits rows
+
+With one logits row per request (the usual prefill) the second part has the shape of a decode step, so on
+GPU it replays a captured CUDA graph (`shared_layer_graphs`) instead of launching ~20 kernels per layer.
 
 `GEMMA4_YOCO=0` (read when the model is built) runs every layer on every row instead, for A/B runs.
 """
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +37,9 @@ from srt.layers.moe.experts import Experts
 from srt.layers.moe.router import Router
 from srt.layers.rotary import RotaryEmbedding, apply_rotary
 from srt.model_executor.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from srt.model_executor.cuda_graph_runner import SharedLayerGraphs
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +190,8 @@ class Gemma4TextModel(nn.Module):
         # the layer at which the batch shrinks to its logits rows (YOCO); None runs every row through
         self.yoco_layer: int | None = None
         self.set_yoco(yoco_enabled_by_env())
+        # captured CUDA graphs of `run_shared_layers`, set by the ModelRunner when it captures them
+        self.shared_layer_graphs: SharedLayerGraphs | None = None
         if config.first_kv_shared_layer is None:
             logger.info("YOCO fast prefill: n/a (no KV-shared layers)")
         elif self.yoco_layer is None:
@@ -204,34 +212,55 @@ class Gemma4TextModel(nn.Module):
         identity = self.embed_tokens_per_layer(input_ids).view(tokens, self.config.num_layers, self.ple_dim)
         return (projected + identity) * 2.0**-0.5
 
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> TextModelOutput:
-        """Final-norm hidden states of the batch's logits rows; attention metadata must be built for `batch`."""
-        hidden = self.embed_tokens(batch.input_ids)
-        per_layer = self.per_layer_inputs(batch.input_ids, hidden) if self.ple_dim else None
-        cos_sin = {
-            layer_type: self.rotary.cos_sin(batch.positions, layer_type, hidden.dtype)
-            for layer_type in self.rotary.layer_types
-        }
-        # with every row needed (decode, verify, all prompt logprobs) there is nothing to save
-        gather_at = self.yoco_layer if len(batch.logits_rows) < batch.num_tokens else None
-        skipped = 0
-        for i, layer in enumerate(self.layers):
-            if i == gather_at:
-                rows = batch.logits_rows
-                skipped = batch.num_tokens - len(rows)
-                hidden = hidden[rows]
-                per_layer = per_layer[rows] if per_layer is not None else None
-                cos_sin = {t: (cos[rows], sin[rows]) for t, (cos, sin) in cos_sin.items()}
-                batch = batch.select_rows(rows)
-                if not batch.num_tokens:
-                    break  # an intermediate prefill chunk: the shared layers have no row to run
-                backend.init_forward_metadata(batch)
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scaled token embeddings and, on PLE checkpoints, the per-layer inputs of every layer."""
+        hidden = self.embed_tokens(input_ids)
+        return hidden, self.per_layer_inputs(input_ids, hidden) if self.ple_dim else None
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        per_layer: torch.Tensor | None,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+        layers: range,
+    ) -> torch.Tensor:
+        """Decoder layers `layers` over the batch's rows; attention metadata must be built for `batch`."""
+        cos_sin = {t: self.rotary.cos_sin(batch.positions, t, hidden.dtype) for t in self.rotary.layer_types}
+        for i in layers:
             spec = self.config.layers[i]
             layer_input = per_layer[:, i] if per_layer is not None else None
-            hidden = layer(hidden, layer_input, cos_sin[spec.layer_type], batch, backend)
-        if gather_at is None:
-            hidden = hidden[batch.logits_rows]
-        return TextModelOutput(self.norm(hidden), skipped)
+            hidden = self.layers[i](hidden, layer_input, cos_sin[spec.layer_type], batch, backend)
+        return hidden
+
+    def run_shared_layers(
+        self, hidden: torch.Tensor, per_layer: torch.Tensor | None, batch: ForwardBatch, backend: AttentionBackend
+    ) -> torch.Tensor:
+        """YOCO's second part: the KV-shared layers and the final norm over logits rows only."""
+        hidden = self.run_layers(hidden, per_layer, batch, backend, range(self.yoco_layer, len(self.layers)))
+        return self.norm(hidden)
+
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> TextModelOutput:
+        """Final-norm hidden states of the batch's logits rows; attention metadata must be built for `batch`."""
+        hidden, per_layer = self.embed(batch.input_ids)
+        all_rows = len(batch.logits_rows_cpu) == batch.num_tokens
+        if self.yoco_layer is None or all_rows:
+            # with every row needed (decode, verify, all prompt logprobs) YOCO has nothing to save
+            hidden = self.run_layers(hidden, per_layer, batch, backend, range(len(self.layers)))
+            return TextModelOutput(self.norm(hidden if all_rows else hidden[batch.logits_rows]), 0)
+
+        hidden = self.run_layers(hidden, per_layer, batch, backend, range(self.yoco_layer))
+        rows = batch.logits_rows
+        hidden = hidden[rows]
+        per_layer = per_layer[rows] if per_layer is not None else None
+        shared = batch.select_rows(batch.logits_rows_cpu)
+        skipped = batch.num_tokens - shared.num_tokens
+        if not shared.num_tokens:
+            return TextModelOutput(hidden, skipped)  # an intermediate prefill chunk: no row needs the rest
+        if self.shared_layer_graphs is not None and self.shared_layer_graphs.can_run(shared):
+            return TextModelOutput(self.shared_layer_graphs(hidden, per_layer, shared), skipped)
+        backend.init_forward_metadata(shared)
+        return TextModelOutput(self.run_shared_layers(hidden, per_layer, shared, backend), skipped)
 
     def set_yoco(self, enabled: bool) -> None:
         """Run the KV-shared layers on logits rows only (when the checkpoint has any); for A/B runs."""

@@ -1,0 +1,276 @@
+"""CUDA graphs of the steps that run one row per request: decode, and YOCO's KV-shared layers after prefill.
+
+Eager, a decode step launches ~20 kernels per layer and at small batches the host cannot launch them as
+fast as the GPU runs them (E4B at batch 1: 45 ms/step eager, most of it launch overhead). Captured once per
+batch size, a step is one graph replay.
+
+A captured step reads its inputs from static buffers and writes its outputs to tensors kept alive between
+replays; a batch of n rows replays the smallest captured size >= n, its rows n.. padded so that they touch
+nothing real:
+
+    input id 0, position 0, request row = req_to_token's padding row (all slot 0), seq_len 1,
+    KV written to slot 0 (the allocators' padding slot, never handed out)
+
+Padding rows attend over the padding slot only, and their outputs are dropped. The outputs of a replay are
+views of the graph's own tensors: read them before the next forward.
+
+Without graphs (`use_graphs=False`: CPU, or tests) the same padded step runs eagerly, so CPU tests cover the
+padding and the static buffers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import torch
+
+from srt.layers.attention.base import AttentionBackend
+from srt.layers.logits_processor import LogitsOutput
+from srt.mem_cache.kv_pool import HybridKVPool
+from srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+StepOutput = TypeVar("StepOutput")
+
+
+def default_batch_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to `max_batch_size` (which is always included)."""
+    sizes = [size for size in (1, 2, 4, 8) if size < max_batch_size]
+    sizes += range(16, max_batch_size, 8)
+    return [*sizes, max_batch_size]
+
+
+class StaticInputs:
+    """One buffer of `max_rows` rows per input; `load` fills rows past the batch's own with padding."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.device = device
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.padding: dict[str, int | float] = {}
+
+    def add(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, padding: int | float) -> None:
+        self.buffers[name] = torch.full((self.max_rows, *shape), padding, dtype=dtype, device=self.device)
+        self.padding[name] = padding
+
+    def load(self, values: dict[str, torch.Tensor], num_rows: int, padded_rows: int) -> None:
+        for name, buffer in self.buffers.items():
+            buffer[:num_rows].copy_(values[name])
+            buffer[num_rows:padded_rows].fill_(self.padding[name])
+
+    def view(self, num_rows: int) -> dict[str, torch.Tensor]:
+        return {name: buffer[:num_rows] for name, buffer in self.buffers.items()}
+
+
+class CapturedSteps(Generic[StepOutput]):
+    """`step(batch_size)` captured as one CUDA graph per batch size (or run eagerly when not `use_graphs`)."""
+
+    def __init__(
+        self,
+        step: Callable[[int], StepOutput],
+        batch_sizes: list[int],
+        use_graphs: bool,
+        pool: tuple | None = None,
+        name: str = "step",
+    ) -> None:
+        self.step = step
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.use_graphs = use_graphs
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, StepOutput] = {}
+        if use_graphs:
+            self._capture_all(pool, name)
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    def padded_size(self, num_rows: int) -> int:
+        """The smallest captured batch size that holds `num_rows` rows."""
+        if not 0 < num_rows <= self.max_batch_size:
+            raise ValueError(f"{num_rows} rows: captured batch sizes go up to {self.max_batch_size}")
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, num_rows)]
+
+    def run(self, batch_size: int) -> StepOutput:
+        if not self.use_graphs:
+            return self.step(batch_size)
+        self.graphs[batch_size].replay()
+        return self.outputs[batch_size]
+
+    def _capture_all(self, pool: tuple | None, name: str) -> None:
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info()[0]
+        # largest first: the smaller graphs then fit in memory the shared pool already holds
+        for batch_size in reversed(self.batch_sizes):
+            for _ in range(2):  # warm-up: Triton compiles its kernels, backends make their lazy tables
+                self.step(batch_size)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[batch_size] = self.step(batch_size)
+            self.graphs[batch_size] = graph
+        torch.cuda.synchronize()
+        used = (free_before - torch.cuda.mem_get_info()[0]) / 2**30
+        logger.info(
+            "CUDA graphs of %s captured for batch sizes %s in %.1f s (%.2f GiB)",
+            name,
+            self.batch_sizes,
+            time.perf_counter() - start,
+            used,
+        )
+
+
+class DecodeGraphs:
+    """The whole model's decode step (logits included), captured per batch size."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: HybridKVPool,
+        batch_sizes: list[int],
+        use_graphs: bool,
+        pool: tuple | None = None,
+    ) -> None:
+        self.model, self.backend = model, backend
+        self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
+        self.inputs = StaticInputs(max(batch_sizes), kv_pool.device)
+        for name, padding in (
+            ("input_ids", 0),
+            ("positions", 0),
+            ("req_pool_indices", req_to_token_pool.padding_row),
+            ("seq_lens", 1),
+            ("out_cache_loc", 0),
+        ):
+            self.inputs.add(name, (), torch.int64, padding)
+        self._seq_lens_cpu: list[int] | None = None  # the running batch's, for eager steps (torch_native)
+        self.steps = CapturedSteps(self._step, batch_sizes, use_graphs, pool, "decode")
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return (
+            batch.mode == ForwardMode.DECODE
+            and batch.num_tokens == batch.batch_size
+            and 0 < batch.batch_size <= self.steps.max_batch_size
+        )
+
+    def __call__(self, batch: ForwardBatch) -> LogitsOutput:
+        """Logits of every row of a decode batch; KV of its tokens is written to the pools."""
+        num_rows = batch.batch_size
+        padded = self.steps.padded_size(num_rows)
+        names = ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc")
+        self.inputs.load({name: getattr(batch, name) for name in names}, num_rows, padded)
+        self._seq_lens_cpu = batch.seq_lens_cpu + [1] * (padded - num_rows)
+        out = self.steps.run(padded)
+        return LogitsOutput(out.logits[:num_rows], out.hidden_states[:num_rows], 0)
+
+    def _step(self, batch_size: int) -> LogitsOutput:
+        view = self.inputs.view(batch_size)
+        seq_lens_cpu = self._seq_lens_cpu if not self.steps.use_graphs else [1] * batch_size
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=view["input_ids"],
+            positions=view["positions"],
+            req_pool_indices=view["req_pool_indices"],
+            seq_lens=view["seq_lens"],
+            extend_prefix_lens=view["seq_lens"] - 1,
+            extend_seq_lens=torch.ones_like(view["seq_lens"]),
+            out_cache_loc=view["out_cache_loc"],
+            logits_rows=torch.arange(batch_size, device=self.inputs.device),
+            req_to_token_pool=self.req_to_token_pool,
+            kv_pool=self.kv_pool,
+            # host lists describe the padded batch only in eager runs; the captured kernels never read them
+            seq_lens_cpu=seq_lens_cpu,
+            extend_prefix_lens_cpu=[n - 1 for n in seq_lens_cpu],
+            extend_seq_lens_cpu=[1] * batch_size,
+            logits_rows_cpu=list(range(batch_size)),
+        )
+        return self.model(batch, self.backend)
+
+
+class SharedLayerGraphs:
+    """YOCO's second part (`Gemma4TextModel.run_shared_layers`) for one logits row per request, per row count.
+
+    The KV-shared layers write no KV, so their inputs are the rows' hidden states and per-layer inputs plus
+    what attention needs: each row's position, request row and sequence length.
+    """
+
+    def __init__(
+        self,
+        text_model: torch.nn.Module,
+        backend: AttentionBackend,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: HybridKVPool,
+        batch_sizes: list[int],
+        use_graphs: bool,
+        pool: tuple | None = None,
+    ) -> None:
+        self.text_model, self.backend = text_model, backend
+        self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
+        config = text_model.config
+        dtype = text_model.embed_tokens.weight.dtype
+        self.inputs = StaticInputs(max(batch_sizes), kv_pool.device)
+        self.inputs.add("hidden", (config.hidden_size,), dtype, 0.0)
+        if text_model.ple_dim:
+            self.inputs.add("per_layer", (config.num_layers, text_model.ple_dim), dtype, 0.0)
+        self.inputs.add("positions", (), torch.int64, 0)
+        self.inputs.add("req_pool_indices", (), torch.int64, req_to_token_pool.padding_row)
+        self.inputs.add("seq_lens", (), torch.int64, 1)
+        self._seq_lens_cpu: list[int] | None = None
+        self.steps = CapturedSteps(self._step, batch_sizes, use_graphs, pool, "the KV-shared layers")
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """`batch` is a YOCO row subset: it fits when every request has at most one row."""
+        return 0 < batch.num_tokens <= self.steps.max_batch_size and max(batch.extend_seq_lens_cpu) <= 1
+
+    def __call__(
+        self, hidden: torch.Tensor, per_layer: torch.Tensor | None, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Final-norm hidden states of the rows of `batch` (each request's only row, if it has one)."""
+        num_rows = batch.num_tokens
+        padded = self.steps.padded_size(num_rows)
+        with_rows = [i for i, n in enumerate(batch.extend_seq_lens_cpu) if n]
+        req_pool_indices, seq_lens = batch.req_pool_indices, batch.seq_lens
+        if len(with_rows) < batch.batch_size:  # requests whose chunk needs no logits have no row here
+            index = torch.tensor(with_rows, dtype=torch.int64, device=seq_lens.device)
+            req_pool_indices, seq_lens = req_pool_indices[index], seq_lens[index]
+        values = {
+            "hidden": hidden,
+            "per_layer": per_layer,
+            "positions": batch.positions,
+            "req_pool_indices": req_pool_indices,
+            "seq_lens": seq_lens,
+        }
+        self.inputs.load(values, num_rows, padded)
+        self._seq_lens_cpu = [batch.seq_lens_cpu[i] for i in with_rows] + [1] * (padded - num_rows)
+        return self.steps.run(padded)[:num_rows]
+
+    def _step(self, batch_size: int) -> torch.Tensor:
+        view = self.inputs.view(batch_size)
+        seq_lens_cpu = self._seq_lens_cpu if not self.steps.use_graphs else [1] * batch_size
+        # a decode-shaped batch: one row per request, so the backends take their one-row-per-request path
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=view["positions"],  # unused: the shared layers start from hidden states
+            positions=view["positions"],
+            req_pool_indices=view["req_pool_indices"],
+            seq_lens=view["seq_lens"],
+            extend_prefix_lens=view["positions"],
+            extend_seq_lens=torch.ones_like(view["seq_lens"]),
+            out_cache_loc=torch.zeros_like(view["positions"]),  # unused: the shared layers write no KV
+            logits_rows=torch.arange(batch_size, device=self.inputs.device),
+            req_to_token_pool=self.req_to_token_pool,
+            kv_pool=self.kv_pool,
+            seq_lens_cpu=seq_lens_cpu,
+            extend_prefix_lens_cpu=[n - 1 for n in seq_lens_cpu],
+            extend_seq_lens_cpu=[1] * batch_size,
+            logits_rows_cpu=list(range(batch_size)),
+        )
+        self.backend.init_forward_metadata(batch)
+        return self.text_model.run_shared_layers(view["hidden"], view.get("per_layer"), batch, self.backend)
