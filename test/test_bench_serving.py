@@ -1,0 +1,149 @@
+"""`bench/bench_serving.py`: its metric arithmetic by hand, and a real run against a tiny server on loopback.
+
+The end-to-end run is checked against what the server itself reports: the tokens it generated
+(/server_info's generated_tokens_total) and the prompt lengths it saw (usage), not against the script's own
+bookkeeping.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from serving_fixtures import PRESET, start_server
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "bench" / "bench_serving.py"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving"] = module  # dataclasses resolve their module through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+
+# ---- pure functions ---------------------------------------------------------------------------------------
+def test_latency_stats_are_ms_percentiles_by_linear_interpolation() -> None:
+    stats = bench.latency_stats([k / 1000 for k in range(1, 101)])  # 1..100 ms
+    assert stats.mean == pytest.approx(50.5)
+    assert (stats.p50, stats.p90, stats.p99) == pytest.approx((50.5, 90.1, 99.01))
+
+    rng = random.Random(3)
+    values = [rng.expovariate(20.0) for _ in range(37)]
+    cuts = statistics.quantiles([v * 1000 for v in values], n=100, method="inclusive")  # cuts[i]: p(i+1)
+    stats = bench.latency_stats(values)
+    assert (stats.p50, stats.p90, stats.p99) == pytest.approx((cuts[49], cuts[89], cuts[98]))
+    assert stats.mean == pytest.approx(statistics.fmean(values) * 1000)
+    assert bench.latency_stats([]) is None
+
+
+def test_tpot_needs_a_second_token() -> None:
+    one = bench.RequestRecord(16, 1, success=True, output_tokens=1, ttft_s=0.2, e2e_s=0.2)
+    five = bench.RequestRecord(16, 5, success=True, output_tokens=5, ttft_s=0.2, e2e_s=0.6)
+    failed = bench.RequestRecord(16, 5, error="boom")
+    assert bench.tpot_s(one) is None
+    assert bench.tpot_s(five) == pytest.approx(0.1)  # 4 tokens after the first in 0.4 s
+    assert bench.tpot_s(failed) is None
+
+
+def test_compute_metrics_counts_only_completed_requests() -> None:
+    records = [
+        bench.RequestRecord(10, 1, success=True, output_tokens=1, ttft_s=0.1, e2e_s=0.1),
+        bench.RequestRecord(20, 3, success=True, output_tokens=3, ttft_s=0.2, e2e_s=0.6, itl_s=[0.1, 0.3]),
+        bench.RequestRecord(30, 3, error="boom"),
+    ]
+    metrics = bench.compute_metrics(records, duration_s=2.0)
+    assert (metrics.completed, metrics.failed) == (2, 1)
+    assert (metrics.total_input_tokens, metrics.total_output_tokens) == (30, 4)
+    assert metrics.request_throughput == pytest.approx(1.0)
+    assert (metrics.input_throughput, metrics.output_throughput, metrics.total_throughput) == pytest.approx(
+        (15.0, 2.0, 17.0)
+    )
+    assert metrics.mean_concurrency == pytest.approx(0.35)
+    assert metrics.tpot_ms.mean == pytest.approx(200.0)  # only the 3-token request has a TPOT
+    assert metrics.itl_ms.mean == pytest.approx(200.0) and metrics.itl_ms.p50 == pytest.approx(200.0)
+    assert metrics.ttft_ms.mean == pytest.approx(150.0) and metrics.e2e_ms.mean == pytest.approx(350.0)
+
+
+def test_random_requests_lengths_and_ids() -> None:
+    exact = bench.random_requests(5, 16, 4, 1.0, 50, random.Random(0))
+    assert [(len(s.prompt), s.input_len, s.output_len) for s in exact] == [(16, 16, 4)] * 5
+    assert all(3 <= tok < 50 for s in exact for tok in s.prompt)
+    assert exact == bench.random_requests(5, 16, 4, 1.0, 50, random.Random(0))  # seeded
+    varied = bench.random_requests(200, 100, 10, 0.5, 50, random.Random(1))
+    assert {s.input_len for s in varied} <= set(range(50, 101)) and len({s.input_len for s in varied}) > 20
+    assert {s.output_len for s in varied} == set(range(5, 11))
+    assert all(len(s.prompt) == s.input_len for s in varied)
+
+
+# ---- against a server -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model(tiny_checkpoint) -> Path:
+    return tiny_checkpoint(PRESET)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    server = start_server(model, tmp_path_factory.mktemp("bench-serving") / "server.log")
+    yield server
+    server.stop()
+
+
+def generated_total(url: str) -> int:
+    return httpx.get(f"{url}/server_info", timeout=30).json()["generated_tokens_total"]
+
+
+def run_bench(url: str, out: Path, *args: str) -> dict:
+    command = [sys.executable, str(SCRIPT), "--base-url", url, "--output-json", str(out), "--disable-tqdm", *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Serving benchmark" in done.stdout and "Output token throughput" in done.stdout
+    return json.loads(out.read_text())
+
+
+def test_completions_run_sends_exact_lengths_and_reports_every_metric(server, model, tmp_path) -> None:
+    before = generated_total(server.url)
+    plot = tmp_path / "bench.png"
+    report = run_bench(
+        server.url, tmp_path / "bench.json", "--num-prompts", "4", "--random-input-len", "16",
+        "--random-output-len", "4", "--warmup-requests", "1", "--max-concurrency", "2", "--plot", str(plot),
+    )  # fmt: skip
+    # 4 timed requests and 1 warmup, each generating exactly 4 tokens (ignore_eos)
+    assert generated_total(server.url) - before == 5 * 4
+
+    metrics = report["metrics"]
+    assert (metrics["completed"], metrics["failed"]) == (4, 0)
+    assert metrics["total_output_tokens"] == 16 and metrics["total_input_tokens"] == 4 * 16
+    for record in report["requests"]:
+        assert record["success"] and record["input_len"] == 16 and record["output_tokens"] == 4  # server's usage
+        assert 0 < record["ttft_s"] <= record["e2e_s"] and 1 <= len(record["itl_s"]) <= 3
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        stats = metrics[name]
+        assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"], name
+    assert metrics["output_throughput"] == pytest.approx(16 / metrics["duration_s"])
+    assert metrics["mean_concurrency"] <= 2 + 1e-9  # --max-concurrency 2: never more than 2 requests open
+    assert report["config"]["model"] == str(model)  # the server's default served name: the checkpoint path
+    assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_chat_run_with_poisson_arrivals(server, tmp_path) -> None:
+    report = run_bench(
+        server.url, tmp_path / "chat.json", "--backend", "chat", "--num-prompts", "3", "--random-input-len", "24",
+        "--random-output-len", "3", "--request-rate", "50",
+    )  # fmt: skip
+    metrics = report["metrics"]
+    assert (metrics["completed"], metrics["failed"], metrics["total_output_tokens"]) == (3, 0, 9)
+    assert all(r["input_len"] > 0 for r in report["requests"])  # the templated prompt, as the server counted it
