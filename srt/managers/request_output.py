@@ -12,10 +12,18 @@ from srt.managers.schedule_batch import Req, ScheduledReq
 
 
 def sample_batch(
-    reqs: list[Req], logits: torch.Tensor, eos_ids: Iterable[int], default_generator: torch.Generator | None
-) -> None:
-    """Sample one token per request from its row of `logits` and append it (with logprobs if asked)."""
-    batch = SamplingBatch.build(
+    reqs: list[Req],
+    logits: torch.Tensor,
+    eos_ids: Iterable[int],
+    default_generator: torch.Generator | None,
+    sampling: SamplingBatch | None = None,
+) -> SamplingBatch:
+    """Sample one token per request from its row of `logits` and append it (with logprobs if asked).
+
+    Returns the SamplingBatch used; pass it back as `sampling` while the requests stay the same (decode steps)
+    to skip rebuilding it.
+    """
+    batch = sampling or SamplingBatch.build(
         [req.params.sampling_params for req in reqs],
         vocab_size=logits.shape[-1],
         device=logits.device,
@@ -38,6 +46,7 @@ def sample_batch(
                 k = req.params.top_logprobs_num
                 top = list(zip(out.top_logprobs.ids[i, :k].tolist(), out.top_logprobs.values[i, :k].tolist()))
             req.output_logprobs.append(TokenLogprob(next_ids[i], float(out.logprobs[i]), top))
+    return batch
 
 
 def record_prompt_logprobs(item: ScheduledReq, logits: torch.Tensor) -> None:

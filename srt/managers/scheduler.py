@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from srt.layers.sampler import make_generator
+from srt.layers.sampler import SamplingBatch, make_generator
 from srt.managers.io_struct import FinishReason, ReqOutput, TokenizedGenerateReq
 from srt.managers.request_output import collect_output, finish_check, record_prompt_logprobs, sample_batch
 from srt.managers.schedule_batch import Req, ScheduleBatch, ScheduledReq
@@ -19,7 +19,7 @@ from srt.managers.schedule_policy import PrefillBudget, order_waiting
 from srt.mem_cache.base_prefix_cache import PrefixCache
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.swa_radix_cache import SWARadixCache
-from srt.mem_cache.swa_window import free_out_of_window
+from srt.mem_cache.swa_window import out_of_window_upto
 from srt.model_executor.forward_batch import ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
@@ -47,6 +47,8 @@ class Scheduler:
         self.num_retractions = 0
         # requests without a seed of their own draw from this one, seeded by --seed
         self.default_generator = make_generator(server_args.seed, self.runner.device)
+        # the last SamplingBatch with the requests it was built for (decode steps reuse it)
+        self._sampling: tuple[list[Req], SamplingBatch] | None = None
 
     # ---- requests in -----------------------------------------------------------------------------------
     def add_request(self, request: TokenizedGenerateReq) -> None:
@@ -186,12 +188,16 @@ class Scheduler:
 
     # ---- run and update ----------------------------------------------------------------------------------
     def _run(self, batch: ScheduleBatch) -> list[ReqOutput]:
-        slots = []
-        for item in batch.items:
-            new_slots = self.allocator.alloc(item.num_tokens)
-            self.req_to_token_pool.write(item.req.req_pool_idx, item.req.kv_len, new_slots)
-            slots.append(new_slots)
-        forward_batch = batch.to_forward_batch(torch.cat(slots), self.req_to_token_pool, self.runner.kv_pool)
+        slots = self.allocator.alloc(sum(item.num_tokens for item in batch.items))
+        if batch.mode == ForwardMode.DECODE:
+            rows, positions = zip(*((item.req.req_pool_idx, item.req.kv_len) for item in batch.items), strict=True)
+            self.req_to_token_pool.write_one_each(list(rows), list(positions), slots)
+        else:
+            start = 0
+            for item in batch.items:
+                self.req_to_token_pool.write(item.req.req_pool_idx, item.req.kv_len, slots[start:][: item.num_tokens])
+                start += item.num_tokens
+        forward_batch = batch.to_forward_batch(slots, self.req_to_token_pool, self.runner.kv_pool)
         logits = self.runner.forward(forward_batch).logits
 
         row = 0
@@ -209,11 +215,9 @@ class Scheduler:
             if item.req.kv_len >= len(item.req.prompt_ids):
                 item.req.prompt_logprobs_done = True
         if sampled_items:
-            sample_batch(
-                [item.req for item in sampled_items], logits[sample_rows], self.eos_ids, self.default_generator
-            )
+            self._sample([item.req for item in sampled_items], logits[sample_rows])
 
-        outputs = []
+        outputs, out_of_window = [], []
         for item in batch.items:
             req = item.req
             if not req.finished:
@@ -226,9 +230,20 @@ class Scheduler:
                 # sliding-window KV: requests sharing the prefix hit it until the cache evicts it
                 self._cache_prefill(req)
             else:
-                self._free_window(req)
+                out_of_window.append(req)
             outputs.append(collect_output(req))
+        self._free_windows(out_of_window)
         return outputs
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """Sample the requests' next tokens; the SamplingBatch is reused while the same requests decode."""
+        cached = None
+        if self._sampling is not None and len(self._sampling[0]) == len(reqs):
+            # by identity: the cache holds its requests, so a new request cannot take an old one's place
+            same = all(a is b for a, b in zip(self._sampling[0], reqs, strict=True))
+            cached = self._sampling[1] if same else None
+        sampling = sample_batch(reqs, logits, self.eos_ids, self.default_generator, cached)
+        self._sampling = (reqs, sampling)
 
     def _cache_prefill(self, req: Req) -> None:
         """After a prefill forward: the request's tokens so far go to the cache; it keeps them locked."""
@@ -237,11 +252,17 @@ class Scheduler:
         self.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix.slots)
         req.swa_freed_upto = max(req.swa_freed_upto, req.prefix.prefix_len)
 
-    def _free_window(self, req: Req) -> None:
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        req.swa_freed_upto = free_out_of_window(
-            self.allocator, row, req.swa_freed_upto, req.kv_len, self.sliding_window
-        )
+    def _free_windows(self, reqs: list[Req]) -> None:
+        """Free the sliding-window KV the requests' next queries can no longer see, in one call."""
+        table = self.req_to_token_pool.req_to_token
+        freed = []
+        for req in reqs:
+            new_upto = out_of_window_upto(req.swa_freed_upto, req.kv_len, self.sliding_window)
+            if new_upto > req.swa_freed_upto:
+                freed.append(table[req.req_pool_idx, req.swa_freed_upto : new_upto])
+                req.swa_freed_upto = new_upto
+        if freed:
+            self.allocator.free_swa(torch.cat(freed).to(torch.int64))
 
     def _release(self, req: Req) -> None:
         """Hand the request's KV to the cache and free its row; afterwards it holds nothing."""

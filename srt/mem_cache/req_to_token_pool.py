@@ -42,6 +42,11 @@ class ReqToTokenPool:
         """Record `slots` as the slots of tokens start .. start + len(slots) - 1 of the row's request."""
         self.req_to_token[row, start : start + len(slots)] = slots.to(torch.int32)
 
+    def write_one_each(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
+        """Record slot i as the slot of token positions[i] of row rows[i]'s request (a decode step), in one op."""
+        index = torch.tensor([rows, positions], dtype=torch.int64).to(self.device, non_blocking=True)
+        self.req_to_token[index[0], index[1]] = slots.to(torch.int32)
+
     def in_use(self) -> int:
         return self.max_requests - len(self._free_rows)
 

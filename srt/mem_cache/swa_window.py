@@ -20,6 +20,15 @@ import torch
 from srt.mem_cache.allocator import SWATokenAllocator
 
 
+def out_of_window_upto(freed_upto: int, seq_len: int, window: int) -> int:
+    """Where freeing stops: positions below max(freed_upto, seq_len - W + 1) are out of every window."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1; got {window}")
+    if not 0 <= freed_upto <= seq_len:
+        raise ValueError(f"need 0 <= freed_upto ({freed_upto}) <= seq_len ({seq_len})")
+    return max(freed_upto, seq_len - window + 1)
+
+
 def free_out_of_window(
     allocator: SWATokenAllocator, req_row: torch.Tensor, freed_upto: int, seq_len: int, window: int
 ) -> int:
@@ -28,13 +37,11 @@ def free_out_of_window(
     `req_row` is the request's req_to_token row; `seq_len` counts the tokens whose KV is in the pool (the
     next query is at position seq_len); `freed_upto` is where the previous call stopped (positions below it
     were freed already, or belong to the prefix cache). Calling it again with the same seq_len frees nothing.
+    The scheduler frees a whole decode batch at once with `out_of_window_upto` and one `free_swa`.
     """
-    if window < 1:
-        raise ValueError(f"window must be >= 1; got {window}")
-    if not 0 <= freed_upto <= seq_len <= len(req_row):
-        raise ValueError(f"need 0 <= freed_upto ({freed_upto}) <= seq_len ({seq_len}) <= {len(req_row)}")
-    new_freed_upto = max(freed_upto, seq_len - window + 1)
+    if seq_len > len(req_row):
+        raise ValueError(f"seq_len ({seq_len}) is longer than the request row ({len(req_row)})")
+    new_freed_upto = out_of_window_upto(freed_upto, seq_len, window)
     if new_freed_upto > freed_upto:
         allocator.free_swa(req_row[freed_upto:new_freed_upto].to(torch.int64))
     return new_freed_upto
-

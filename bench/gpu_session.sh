@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/benchmarks.md, in as few device calls as possible:
+#
+#     bash bench/gpu_session.sh STAGE...      (stages: tests decode prefill yoco moe serving profile)
+#
+# Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
+# serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
+# when that folder is present. Every result lands in $RESULTS (JSON, PNG, logs); with $OUT set (the device
+# tool's output folder) they are packed into $OUT/results.tgz at the end.
+set -u
+export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+RESULTS=${RESULTS:-/tmp/srt-results}
+mkdir -p "$RESULTS"
+BENCH="python3 bench/bench_one_batch.py --load-format dummy --dtype bfloat16"
+
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__)"
+
+stage_tests() {
+    timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider test 2>&1 | tail -25
+}
+
+stage_decode() {  # decode at batch 1 and 32 (512-token context) and the 7000-token prefill, per model
+    for model in E4B E2B 26B-A4B; do
+        extra=""
+        [ "$model" = 26B-A4B ] && extra="--swa-full-tokens-ratio 1"
+        timeout 240 $BENCH --model-path gemma-4-$model-it $extra --batch-size 1 32 --input-len 512 \
+            --output-len 32 --json "$RESULTS/decode-$model.json"
+        timeout 240 $BENCH --model-path gemma-4-$model-it $extra --batch-size 1 --input-len 7000 \
+            --output-len 2 --json "$RESULTS/prefill-$model.json"
+    done
+}
+
+stage_yoco() {  # YOCO on/off, side by side in one process
+    for model in E2B E4B; do
+        for shape in "1 7000" "8 2048"; do
+            set -- $shape
+            timeout 240 $BENCH --model-path gemma-4-$model-it --batch-size "$1" --input-len "$2" --yoco-ab \
+                --repeats 5 --json "$RESULTS/yoco-$model-${1}x$2.json"
+        done
+    done
+}
+
+stage_moe() {
+    timeout 240 python3 bench/bench_moe.py --json "$RESULTS/moe.json"
+}
+
+stage_serving() {  # 30 prompts x 7000 input / 10 output tokens at full concurrency, E4B
+    python3 -m srt.launch_server --model gemma-4-E4B-it --load-format dummy --port 30000 \
+        --log-interval 5 >"$RESULTS/server.log" 2>&1 &
+    server=$!
+    for _ in $(seq 240); do
+        curl -sf http://127.0.0.1:30000/health >/dev/null && break
+        sleep 1
+    done
+    timeout 300 python3 bench/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 30 \
+        --random-input-len 7000 --random-output-len 10 --max-concurrency 30 --warmup-requests 2 \
+        --output-json "$RESULTS/serving-E4B-30x7000.json" --plot "$RESULTS/serving-E4B-30x7000.png"
+    kill -TERM $server
+    wait $server
+    tail -5 "$RESULTS/server.log"
+}
+
+stage_profile() {  # where decode time goes, kernel by kernel (eager: graph replays hide the kernels)
+    timeout 200 python3 bench/profile_forward.py --model-path gemma-4-E4B-it --load-format dummy \
+        --dtype bfloat16 --phase decode --batch-size 1 --input-len 512 --disable-cuda-graph \
+        >"$RESULTS/profile-E4B-decode-bs1.txt" 2>&1
+    head -40 "$RESULTS/profile-E4B-decode-bs1.txt"
+}
+
+for stage in "$@"; do
+    echo "=== $stage ($(date -u +%H:%M:%S))"
+    "stage_$stage"
+done
+if [ -n "${OUT:-}" ]; then
+    tar -czf "$OUT/results.tgz" -C "$RESULTS" .
+fi
