@@ -5,9 +5,9 @@
 For each case (extend 1 x 7000 and 8 x 2048 new tokens; decode batch 1 and 32 at 512 and 4096 tokens of
 context) and each layer type (sliding: head_dim 256, window 512; full: head_dim 512; 8 query / 2 KV heads):
 max abs error of triton (bf16) and of torch_native (bf16) against torch_native on fp32 queries over the same
-bf16 KV, and median times (triton.testing.do_bench) of both backends' `forward` without the KV write; decode
-also as a CUDA graph replay (what the decode loop runs). `--sweep` times other block shapes of the kernels.
-Results go to --json, or to $OUT/bench_attention.json when $OUT is set.
+bf16 KV, and median times (CUDA events, L2 flushed before each call: `timing.time_cuda`) of both backends'
+`forward` without the KV write; decode also as a CUDA graph replay (what the decode loop runs). `--sweep` times
+other block shapes of the kernels. Results go to --json, or to $OUT/bench_attention.json when $OUT is set.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench
+from timing import time_cuda
 
 from srt.configs.model_config import FULL, SLIDING, AttentionLayerSpec
 from srt.layers.attention import create_attention_backend
@@ -114,18 +114,9 @@ def with_metadata(backend, batch: ForwardBatch) -> ForwardBatch:
     return batch
 
 
-def graph_time_ms(backend, batch: ForwardBatch, q: torch.Tensor, spec: AttentionLayerSpec) -> float:
-    """Median replay time of the backend's forward captured in a CUDA graph (fails on any host sync)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            backend.forward(q, None, None, spec, batch, save_kv=False)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        backend.forward(q, None, None, spec, batch, save_kv=False)
-    return do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+def time_ms(fn, warmup: int = 10, repeats: int = 100, use_graph: bool = False) -> float:
+    """Median device milliseconds of `fn` (a CUDA graph replay of it with `use_graph`: fails on any host sync)."""
+    return 1e3 * time_cuda(fn, warmup=warmup, repeats=repeats, use_graph=use_graph, flush_l2=True)
 
 
 def run_case(name: str, mode: ForwardMode, requests: list[tuple[int, int]], sweep: bool) -> list[dict]:
@@ -144,21 +135,20 @@ def run_case(name: str, mode: ForwardMode, requests: list[tuple[int, int]], swee
             "layer": f"{spec.layer_type} d{spec.head_dim}",
             "triton_max_abs_err": float((ours.float() - exact).abs().max()),
             "torch_native_bf16_max_abs_err": float((ref_bf16.float() - exact).abs().max()),
-            "triton_ms": do_bench(
-                lambda spec=spec, q=q: triton_backend.forward(q, None, None, spec, tri_batch, save_kv=False),
-                warmup=25,
-                rep=100,
-                return_mode="median",
+            "triton_ms": time_ms(
+                lambda spec=spec, q=q: triton_backend.forward(q, None, None, spec, tri_batch, save_kv=False)
             ),
-            "torch_native_ms": do_bench(
+            "torch_native_ms": time_ms(
                 lambda spec=spec, q=q: reference.forward(q, None, None, spec, ref_batch, save_kv=False),
-                warmup=5,
-                rep=30,
-                return_mode="median",
+                warmup=2,
+                repeats=10,
             ),
         }
         if mode.is_decode():
-            record["triton_graph_ms"] = graph_time_ms(triton_backend, tri_batch, q, spec)
+            record["triton_graph_ms"] = time_ms(
+                lambda spec=spec, q=q: triton_backend.forward(q, None, None, spec, tri_batch, save_kv=False),
+                use_graph=True,
+            )
             kv_bytes = kv_tokens_read(requests, spec.sliding_window) * KV_HEADS * spec.head_dim * 2 * 2
             record["triton_graph_GBps"] = kv_bytes / record["triton_graph_ms"] / 1e6
         else:
@@ -214,7 +204,7 @@ def _time_variant(label: str, call, out: torch.Tensor, exact: torch.Tensor) -> d
         out.fill_(float("nan"))
         call()
         error = float((out.float() - exact).abs().max())
-        ms = do_bench(call, warmup=10, rep=50, return_mode="median")
+        ms = time_ms(call, warmup=5, repeats=50)
     except Exception as exc:  # a block shape that does not fit the chip (shared memory) is a result too
         return {"config": label, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
     print(f"    {label}: {ms:.4f} ms, max abs err {error:.2e}", flush=True)

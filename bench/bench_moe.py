@@ -11,10 +11,10 @@ Shapes: hidden 2816, 128 experts, top 8, moe_intermediate 704. For each token co
   ("triton", "grouped_mm"); relative error of each against the loop in float32 on the same bf16 weights.
   With sweep, other block shapes of the triton kernels too.
 
-Times are medians in microseconds: `gpu_us` from triton.testing.do_bench (CUDA events, L2 flushed before each
-call, so the experts' weights come from HBM), `graph_us` a CUDA graph replay of one call (no launch gaps;
-not for the torch loop, which reads expert ids back to the host), `host_us` wall time per call of 50 calls
-back to back (what an eager decode step pays: launch overheads included). Floors: the touched experts'
+Times are medians in microseconds (`timing.py`): `gpu_us` from CUDA events (L2 flushed before each call, so
+the experts' weights come from HBM), `graph_us` a CUDA graph replay of one call (no launch gaps; not for the
+torch loop, which reads expert ids back to the host), `host_us` wall time per call of 50 calls back to back
+(what an eager decode step pays: launch overheads included). Floors: the touched experts'
 weights over 3.0 TB/s (H100 copy bandwidth seen here), FLOPs over 790 TFLOP/s. Results go to --json, or to
 $OUT/bench_moe.json when $OUT is set.
 """
@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
+from timing import time_cuda, time_host
 
 from srt.layers.moe import fused_experts as fe
 from srt.layers.moe.experts import Experts
@@ -59,30 +58,15 @@ def transformers_routing(logits: torch.Tensor, scales: torch.Tensor, top_k: int)
 
 
 def gpu_us(fn: Callable[[], object]) -> float:
-    return 1e3 * do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return 1e6 * time_cuda(fn, flush_l2=True)
 
 
 def graph_us(fn: Callable[[], object]) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return 1e3 * do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+    return 1e6 * time_cuda(fn, use_graph=True, flush_l2=True)
 
 
-def host_us(fn: Callable[[], object], calls: int = 50) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return 1e6 * (time.perf_counter() - start) / calls
+def host_us(fn: Callable[[], object]) -> float:
+    return 1e6 * time_host(fn, calls=50)
 
 
 def timings(fn: Callable[[], object], graph: bool = True) -> dict[str, float | str]:

@@ -3,9 +3,17 @@
 Correctness (greedy tokens of given prompts, run together as one batch):
     python bench/bench_one_batch.py --model-path DIR --device cpu --dtype float32 --correctness-test \
         --prompt-ids-file prompts.json --max-new-tokens 16 --json out.json
-Latency (random prompts at the real shapes):
+Latency (random prompts at the real shapes), each time beside its roofline floor and srt / floor:
     python bench/bench_one_batch.py --model-path gemma-4-E4B-it --load-format dummy --batch-size 1 8 \
         --input-len 2048 --output-len 8
+Latency against transformers on the same device, dtype and prompts (srt is timed first and its runner
+released, then transformers' Gemma4ForCausalLM with SDPA attention is built and timed the same way;
+speedup = transformers time / srt time):
+    python bench/bench_one_batch.py --model-path gemma-4-E4B-it --load-format dummy --batch-size 1 32 \
+        --input-len 512 --output-len 16 --baseline transformers
+Floors (bench/floors.py): max(FLOPs / matmul rate, bytes read and written / copy bandwidth), from the config
+and rates measured on the device before the model is built (a device-to-device copy, an n^3 matmul in the
+model's dtype); the JSON holds the rates, each floor's FLOPs and bytes, and the ratios.
 YOCO fast prefill A/B (prefill of the same prompts with the KV-shared layers on logits rows only, and on every
 row; same weights, the model's YOCO flag flipped between runs; prints both times, their ratio and the ideal
 ratio from layer FLOPs):
@@ -16,17 +24,31 @@ ratio from layer FLOPs):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
+from floors import DeviceRates, decode_floor, layer_flops, measure_device_rates, prefill_floor, weight_counts
 from tqdm import tqdm
+from transformers_baseline import GreedyRun, build_transformers_model, time_transformers
 
-from srt.configs.model_config import ModelConfig
-from srt.model_executor.model_runner import ModelRunner
+from srt.configs.model_config import ModelConfig, resolve_dtype
+from srt.model_executor.model_runner import ModelRunner, resolve_device, resolve_load_format
 from srt.model_executor.static_batch import generate_greedy
 from srt.server_args import ServerArgs
+
+BASELINE_HELP = (
+    "Also time transformers' Gemma4ForCausalLM (SDPA attention) on the same device, dtype and prompts, and print"
+    " speedup = transformers time / srt time. srt runs first; its runner (weights and KV pools) is released"
+    " before the transformers model is built, so the two never hold the GPU together (26B-A4B and 31B are 50-60"
+    " GB each in bf16). Should srt memory outlive the release (a warning says how much), lower"
+    " --mem-fraction-static so the KV pools leave room for transformers' weights and its KV cache, which grows"
+    " with batch x (input + output) tokens. Random weights, unless srt loaded a checkpoint directory: then"
+    " transformers loads it too and the greedy tokens of both are compared."
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,6 +67,7 @@ def parse_args() -> argparse.Namespace:
         help="Time prefill with YOCO on and off, side by side, for each --batch-size x --input-len.",
     )
     parser.add_argument("--repeats", type=int, default=3, help="Prefills per setting in --yoco-ab (median kept).")
+    parser.add_argument("--baseline", choices=["transformers"], help=BASELINE_HELP)
     return parser.parse_args()
 
 
@@ -53,19 +76,32 @@ def run_correctness(runner: ModelRunner, prompts: list[list[int]], max_new_token
     return {"output_ids": result.output_ids}
 
 
-def run_latency(runner: ModelRunner, batch_sizes: list[int], input_len: int, output_len: int) -> dict:
-    """Prefill and per-step decode time per batch size.
+def make_prompts(vocab_size: int, batch_sizes: list[int], input_len: int) -> list[list[list[int]]]:
+    """Random prompts per batch size, seeded: srt and the baseline run the same ones."""
+    generator = torch.Generator().manual_seed(0)
+    return [
+        [torch.randint(3, vocab_size, (input_len,), generator=generator).tolist() for _ in range(batch_size)]
+        for batch_size in batch_sizes
+    ]
 
-    Each batch size runs twice and the second run is timed: the first compiles the Triton kernels for its
+
+class LatencyRun(NamedTuple):
+    output: dict  # what the JSON holds
+    output_ids: list[list[list[int]]]  # srt's greedy tokens per batch, for the comparison with the baseline
+
+
+def run_latency(runner: ModelRunner, batches: list[list[list[int]]], output_len: int) -> LatencyRun:
+    """Prefill and per-step decode time per batch.
+
+    Each batch runs twice and the second run is timed: the first compiles the Triton kernels for its
     shapes (seconds of JIT work that would otherwise pollute the figures).
     """
-    vocab = runner.model_config.vocab_size
-    generator = torch.Generator().manual_seed(0)
-    results = []
-    for batch_size in tqdm(batch_sizes, desc="Batches", disable=None):
-        prompts = [torch.randint(3, vocab, (input_len,), generator=generator).tolist() for _ in range(batch_size)]
+    results, output_ids = [], []
+    for prompts in tqdm(batches, desc="Batches", disable=None):
+        batch_size, input_len = len(prompts), len(prompts[0])
         generate_greedy(runner, prompts, output_len + 1)  # warm-up: kernel compilation
-        seconds = generate_greedy(runner, prompts, output_len + 1).step_seconds
+        result = generate_greedy(runner, prompts, output_len + 1)
+        seconds = result.step_seconds
         prefill, decode_step = seconds[0], sum(seconds[1:]) / output_len
         results.append(
             {
@@ -77,28 +113,115 @@ def run_latency(runner: ModelRunner, batch_sizes: list[int], input_len: int, out
                 "decode_tok_per_s": batch_size / decode_step,
             }
         )
-    return {"device": str(runner.device), "dtype": str(runner.dtype), "results": results}
+        output_ids.append(result.output_ids)
+    return LatencyRun({"device": str(runner.device), "dtype": str(runner.dtype), "results": results}, output_ids)
 
 
-def layer_flops(config: ModelConfig, positions: list[int], yoco_rows: list[int] | None) -> float:
-    """Matmul FLOPs of the decoder layers for query rows at `positions` (one prompt).
+def add_floors(
+    results: list[dict], config: ModelConfig, dtype: torch.dtype, rates: DeviceRates, output_len: int
+) -> None:
+    """Each row's prefill and decode floors, and srt / floor (how many times slower than the floor srt is)."""
+    for row in results:
+        prefill = prefill_floor(config, dtype, rates, row["batch_size"], row["input_len"])
+        decode = decode_floor(config, dtype, rates, row["batch_size"], row["input_len"], output_len)
+        row["output_len"] = output_len
+        row["prefill_floor"], row["decode_floor"] = prefill.as_json(), decode.as_json()
+        row["prefill_over_floor"] = row["prefill_s"] / prefill.seconds
+        row["decode_over_floor"] = row["decode_step_s"] / decode.seconds
 
-    Projections, MLP and per-layer-input gates cost 2 * in * out per row; attention costs 4 * heads * head_dim
-    per (query, visible key) pair, counting only pairs the causal / sliding mask keeps. With `yoco_rows`
-    (indices into `positions`), KV-shared layers run on those rows only.
+
+def add_baseline(results: list[dict], runs: list[GreedyRun], srt_output_ids: list[list[list[int]]] | None) -> None:
+    """transformers' times per row, its ratios to the floors, and speedup = transformers time / srt time.
+
+    With `srt_output_ids` (both loaded the same checkpoint), whether the greedy tokens are the same.
     """
-    hf = config.hf_text_config
-    hidden, ple = hf.hidden_size, hf.hidden_size_per_layer_input or 0
-    total = 0.0
-    for spec in config.layers:
-        rows = positions if spec.owns_kv or yoco_rows is None else [positions[i] for i in yoco_rows]
-        q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        kv_projections = 0 if not spec.owns_kv else (1 if spec.k_eq_v else 2)
-        mlp_width = hf.intermediate_size * (2 if hf.use_double_wide_mlp and not spec.owns_kv else 1)
-        per_row = 2 * hidden * (2 * q_width + kv_projections * kv_width + 3 * mlp_width + 2 * ple)
-        keys = sum(pos + 1 if spec.sliding_window is None else min(pos + 1, spec.sliding_window) for pos in rows)
-        total += per_row * len(rows) + 4 * q_width * keys
-    return total
+    for index, (row, run) in enumerate(zip(results, runs)):
+        prefill, decode_step = run.step_seconds[0], statistics.mean(run.step_seconds[1:])
+        theirs = {
+            "prefill_s": prefill,
+            "prefill_tok_per_s": row["batch_size"] * row["input_len"] / prefill,
+            "decode_step_s": decode_step,
+            "decode_tok_per_s": row["batch_size"] / decode_step,
+            "prefill_over_floor": prefill / row["prefill_floor"]["seconds"],
+            "decode_over_floor": decode_step / row["decode_floor"]["seconds"],
+        }
+        if srt_output_ids is not None:
+            theirs["same_greedy_tokens"] = run.output_ids == srt_output_ids[index]
+        row["transformers"] = theirs
+        row["prefill_speedup"] = prefill / row["prefill_s"]
+        row["decode_speedup"] = decode_step / row["decode_step_s"]
+
+
+def release_device_memory(device: torch.device, released: str) -> None:
+    """Drop what nothing references any more and hand the cached blocks back; warn if much stays allocated."""
+    gc.collect()  # a model's modules may sit in reference cycles
+    if device.type != "cuda":
+        return
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_allocated(device)
+    if held > 1024**3:
+        print(
+            f"warning: {held / 1024**3:.1f} GiB of device memory still allocated after {released} was released"
+            " (a reference outlives it); if the transformers baseline runs out of memory, lower"
+            " --mem-fraction-static"
+        )
+
+
+def run_latency_mode(server_args: ServerArgs, args: argparse.Namespace) -> dict:
+    """srt's times and floors per batch size; then, with --baseline, transformers' times on the same prompts."""
+    device = resolve_device(server_args.device)
+    dtype = resolve_dtype(server_args.dtype, device)
+    # measured before the runner exists: its KV pools may take the memory the copy buffers need
+    rates = measure_device_rates(device, dtype)
+    runner = ModelRunner(server_args)
+    config = runner.model_config
+    batches = make_prompts(config.vocab_size, args.batch_size, args.input_len)
+    latency = run_latency(runner, batches, args.output_len)
+    output = latency.output
+    add_floors(output["results"], config, dtype, rates, args.output_len)
+    output["device_rates"] = rates.as_json()
+    output["weights"] = {
+        "counted_bytes": weight_counts(config).total * dtype.itemsize,  # what the floors are counted from
+        "model_parameter_bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+    }
+    if args.baseline == "transformers":
+        checkpoint = Path(server_args.model_path) if resolve_load_format(server_args) != "dummy" else None
+        del runner  # srt is timed: its weights and KV pools make way for transformers'
+        release_device_memory(device, "srt's runner")
+        model = build_transformers_model(config, device, dtype, checkpoint)
+        runs = time_transformers(model, batches, args.output_len)
+        del model
+        release_device_memory(device, "the transformers model")
+        add_baseline(output["results"], runs, latency.output_ids if checkpoint is not None else None)
+        output["baseline"] = "transformers"
+    return output
+
+
+def print_latency(output: dict) -> None:
+    rates = output["device_rates"]
+    print(
+        f"device rates: copy {rates['copy_GBps']:.1f} GB/s ({rates['copy_bytes'] / 1024**2:.0f} MiB),"
+        f" matmul {rates['matmul_TFLOPs']:.2f} TFLOP/s ({rates['matmul_size']}^3, {output['dtype']})"
+    )
+    for row in output["results"]:
+        print(
+            f"batch {row['batch_size']:4d} x {row['input_len']} tokens: prefill {row['prefill_s'] * 1e3:9.1f} ms"
+            f" ({row['prefill_tok_per_s']:10.0f} tok/s), decode {row['decode_step_s'] * 1e3:8.2f} ms/step"
+            f" ({row['decode_tok_per_s']:8.0f} tok/s)"
+        )
+        print(
+            f"    floor: prefill {row['prefill_floor']['seconds'] * 1e3:9.3f} ms ({row['prefill_floor']['bound']}),"
+            f" decode {row['decode_floor']['seconds'] * 1e3:8.3f} ms/step ({row['decode_floor']['bound']});"
+            f" srt / floor: prefill {row['prefill_over_floor']:6.1f}x, decode {row['decode_over_floor']:6.1f}x"
+        )
+        theirs = row.get("transformers")
+        if theirs is not None:
+            same = f", same greedy tokens: {theirs['same_greedy_tokens']}" if "same_greedy_tokens" in theirs else ""
+            print(
+                f"    transformers: prefill {theirs['prefill_s'] * 1e3:9.1f} ms, decode"
+                f" {theirs['decode_step_s'] * 1e3:8.2f} ms/step; speedup (transformers / srt): prefill"
+                f" {row['prefill_speedup']:5.2f}x, decode {row['decode_speedup']:5.2f}x{same}"
+            )
 
 
 def ideal_yoco_speedup(config: ModelConfig, input_len: int) -> float:
@@ -157,13 +280,16 @@ def run_yoco_ab(runner: ModelRunner, batch_sizes: list[int], input_len: int, rep
 
 def main() -> None:
     args = parse_args()
-    runner = ModelRunner(ServerArgs.from_cli(args))
+    server_args = ServerArgs.from_cli(args)
+    if args.baseline and (args.correctness_test or args.yoco_ab):
+        raise SystemExit("--baseline applies to latency mode only (not to --correctness-test or --yoco-ab)")
     if args.correctness_test:
         if args.prompt_ids_file is None:
             raise SystemExit("--correctness-test needs --prompt-ids-file")
+        runner = ModelRunner(server_args)
         output = run_correctness(runner, json.loads(args.prompt_ids_file.read_text()), args.max_new_tokens)
     elif args.yoco_ab:
-        output = run_yoco_ab(runner, args.batch_size, args.input_len, args.repeats)
+        output = run_yoco_ab(ModelRunner(server_args), args.batch_size, args.input_len, args.repeats)
         for row in output["yoco_ab"]:
             print(
                 f"batch {row['batch_size']:4d} x {row['input_len']} tokens: prefill YOCO on"
@@ -172,13 +298,8 @@ def main() -> None:
                 f" max |logit diff| {row['max_logit_diff']:.2e}, same greedy token: {row['same_greedy_token']}"
             )
     else:
-        output = run_latency(runner, args.batch_size, args.input_len, args.output_len)
-        for row in output["results"]:
-            print(
-                f"batch {row['batch_size']:4d} x {row['input_len']} tokens: prefill {row['prefill_s'] * 1e3:9.1f} ms"
-                f" ({row['prefill_tok_per_s']:10.0f} tok/s), decode {row['decode_step_s'] * 1e3:8.2f} ms/step"
-                f" ({row['decode_tok_per_s']:8.0f} tok/s)"
-            )
+        output = run_latency_mode(server_args, args)
+        print_latency(output)
     text = json.dumps(output)
     if args.json:
         args.json.write_text(text)

@@ -1,16 +1,34 @@
-"""`bench/bench_one_batch.py --correctness-test` as a user runs it: a subprocess writing JSON."""
+"""`bench/bench_one_batch.py` as a user runs it (a subprocess writing JSON), and the floors and the
+transformers baseline it reports, each checked against an independent count or run."""
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import Gemma4ForCausalLM as ReferenceModel
 
+from srt.configs import presets
+from srt.configs.model_config import ModelConfig
+
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """The bench modules, imported with bench/ first on sys.path as `python bench/<script>.py` has it."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import floors
+    import transformers_baseline
+
+    return SimpleNamespace(floors=floors, baseline=transformers_baseline)
 
 
 def test_correctness_mode_writes_greedy_outputs_of_the_batch(tiny_checkpoint, tmp_path) -> None:
@@ -32,3 +50,104 @@ def test_correctness_mode_writes_greedy_outputs_of_the_batch(tiny_checkpoint, tm
             0, len(prompt) :
         ].tolist()
         assert output == expected
+
+
+def test_latency_mode_with_transformers_baseline_reports_speedups_and_floors(tiny_checkpoint, tmp_path) -> None:
+    path = tiny_checkpoint("tiny-gemma-4-E4B-it")
+    out_file = tmp_path / "latency.json"
+    # 20 prompt tokens: past the tiny sliding window (16), so both caches' sliding layers drop keys
+    command = [
+        sys.executable, str(REPO / "bench" / "bench_one_batch.py"), "--model-path", str(path), "--device", "cpu",
+        "--dtype", "float32", "--batch-size", "1", "2", "--input-len", "20", "--output-len", "2",
+        "--baseline", "transformers", "--json", str(out_file),
+    ]  # fmt: skip
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    output = json.loads(out_file.read_text())
+
+    assert output["baseline"] == "transformers"
+    rates = output["device_rates"]
+    assert rates["copy_GBps"] > 0 and rates["matmul_TFLOPs"] > 0
+    # the floors count every weight matrix of the model srt ran (only norm vectors are left out)
+    weights = output["weights"]
+    assert 0.99 < weights["counted_bytes"] / weights["model_parameter_bytes"] <= 1
+    rows = output["results"]
+    assert [row["batch_size"] for row in rows] == [1, 2]
+    for row in rows:
+        theirs = row["transformers"]
+        # both loaded the checkpoint in float32: the baseline ran the same model on the same prompts
+        assert theirs["same_greedy_tokens"] is True
+        assert theirs["prefill_s"] > 0 and theirs["decode_step_s"] > 0
+        assert row["prefill_speedup"] == pytest.approx(theirs["prefill_s"] / row["prefill_s"])
+        assert row["decode_speedup"] == pytest.approx(theirs["decode_step_s"] / row["decode_step_s"])
+        for phase, time_key in (("prefill", "prefill_s"), ("decode", "decode_step_s")):
+            floor = row[f"{phase}_floor"]
+            compute_s = floor["flops"] / (rates["matmul_TFLOPs"] * 1e12)
+            memory_s = floor["bytes"] / (rates["copy_GBps"] * 1e9)
+            assert floor["seconds"] == pytest.approx(max(compute_s, memory_s))
+            assert floor["bound"] == ("compute" if compute_s >= memory_s else "memory")
+            assert row[f"{phase}_over_floor"] == pytest.approx(row[time_key] / floor["seconds"])
+            assert theirs[f"{phase}_over_floor"] == pytest.approx(theirs[time_key] / floor["seconds"])
+    # a second request doubles the FLOPs; the weights are read once for both
+    assert rows[1]["prefill_floor"]["flops"] == pytest.approx(2 * rows[0]["prefill_floor"]["flops"])
+    assert rows[0]["prefill_floor"]["bytes"] < rows[1]["prefill_floor"]["bytes"] < 2 * rows[0]["prefill_floor"]["bytes"]
+
+
+@pytest.mark.parametrize("preset", presets.preset_names())
+def test_weight_counts_cover_every_parameter_of_transformers_model(bench, preset: str) -> None:
+    config = ModelConfig.from_preset(preset)
+    with torch.device("meta"):
+        reference = ReferenceModel(config.hf_text_config)
+    parameters = sum(p.numel() for p in reference.parameters())  # a tied LM head once
+    counted = bench.floors.weight_counts(config).total
+    assert counted <= parameters < 1.01 * counted  # all but the norm and scale vectors
+
+
+@pytest.mark.parametrize("preset", ["tiny-gemma-4-E2B-it", "tiny-gemma-4-26B-A4B-it", "tiny-gemma-4-31B-it"])
+def test_decode_step_flops_equal_a_flop_counter_on_transformers(bench, preset: str) -> None:
+    """One decode step at 20 tokens of context (past the sliding window of 16), counted by torch's FlopCounter
+    on transformers' eager attention and eager expert loop: every matmul the floor should count and no other."""
+    config = ModelConfig.from_preset(preset)
+    reference = ReferenceModel._from_config(
+        copy.deepcopy(config.hf_text_config), attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    context = 20
+    with torch.no_grad():
+        cache = reference(input_ids=torch.arange(3, 3 + context - 1)[None], use_cache=True).past_key_values
+        with FlopCounterMode(display=False) as counter:
+            reference(input_ids=torch.tensor([[5]]), past_key_values=cache, use_cache=True)
+    # the counter also sees RoPE's frequencies x positions matmul, which the floors leave out
+    rope = sum(
+        2 * b.numel() for n, b in reference.model.rotary_emb.named_buffers() if n.endswith("_attention_inv_freq")
+    )
+    rates = bench.floors.DeviceRates(1.0, 1.0, 0, 0)
+    floor = bench.floors.decode_step_floor(config, torch.float32, rates, 1, context)
+    assert counter.get_total_flops() == floor.flops + rope
+
+
+def test_expected_distinct_experts_match_simulated_uniform_routing(bench) -> None:
+    generator = torch.Generator().manual_seed(0)
+    experts, top_k = 128, 8
+    assert bench.floors.expected_distinct_experts(experts, top_k, 1) == pytest.approx(top_k)
+    for tokens in (2, 8, 32):
+        picks = torch.rand(4000, tokens, experts, generator=generator).topk(top_k, dim=-1).indices
+        touched = torch.zeros(4000, experts).scatter_(1, picks.flatten(1), 1.0).sum(dim=1)
+        expected = bench.floors.expected_distinct_experts(experts, top_k, tokens)
+        assert float(touched.mean()) == pytest.approx(expected, rel=0.01)
+
+
+def test_baseline_on_random_weights_decodes_as_transformers_generate(bench) -> None:
+    """The meta-device build (RoPE buffers, embedding scales and the tied head set up after to_empty) and the
+    timed loop (prefill, then one token per step through the KV cache) give generate()'s greedy tokens."""
+    config = ModelConfig.from_preset("tiny-gemma-4-26B-A4B-it")
+    model = bench.baseline.build_transformers_model(config, torch.device("cpu"), torch.float32)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.config._attn_implementation == "sdpa"
+    reference = ReferenceModel._from_config(copy.deepcopy(config.hf_text_config), dtype=torch.float32)
+    buffers = dict(reference.named_buffers())
+    for name, buffer in model.named_buffers():
+        assert torch.equal(buffer, buffers[name]), name
+    prompts = torch.randint(3, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1)).tolist()
+    run = bench.baseline.greedy_steps(model, prompts, 3)
+    assert len(run.step_seconds) == 4
+    expected = model.generate(torch.tensor(prompts), max_new_tokens=4, do_sample=False, eos_token_id=None)
+    assert run.output_ids == expected[:, 20:].tolist()
