@@ -99,8 +99,8 @@ def run_latency(runner: ModelRunner, batches: list[list[list[int]]], output_len:
     results, output_ids = [], []
     for prompts in tqdm(batches, desc="Batches", disable=None):
         batch_size, input_len = len(prompts), len(prompts[0])
-        generate_greedy(runner, prompts, output_len + 1)  # warm-up: kernel compilation
-        result = generate_greedy(runner, prompts, output_len + 1)
+        generate_greedy(runner, prompts, output_len + 1, keep_logits=False)  # warm-up: kernel compilation
+        result = generate_greedy(runner, prompts, output_len + 1, keep_logits=False)
         seconds = result.step_seconds
         prefill, decode_step = seconds[0], sum(seconds[1:]) / output_len
         results.append(

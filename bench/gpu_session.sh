@@ -22,11 +22,12 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 'transformers', transformers.__version__)"
 
 stage_tests() {
-    timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider test 2>&1 | tail -25
+    timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short test >"$RESULTS/gpu-tests.txt" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$RESULTS/gpu-tests.txt"
 }
 
 stage_decode() {  # decode at batch 1 and 32 (512-token context) and the 7000-token prefill, per model
-    for model in E4B E2B 26B-A4B; do
+    for model in ${MODELS:-E4B E2B 26B-A4B}; do
         extra=""
         [ "$model" = 26B-A4B ] && extra="--swa-full-tokens-ratio 1"
         timeout 240 $BENCH --model-path gemma-4-$model-it $extra --batch-size 1 32 --input-len 512 \
@@ -37,11 +38,10 @@ stage_decode() {  # decode at batch 1 and 32 (512-token context) and the 7000-to
 }
 
 stage_yoco() {  # YOCO on/off, side by side in one process
-    for model in E2B E4B; do
-        for shape in "1 7000" "8 2048"; do
-            set -- $shape
-            timeout 240 $BENCH --model-path gemma-4-$model-it --batch-size "$1" --input-len "$2" --yoco-ab \
-                --repeats 5 --json "$RESULTS/yoco-$model-${1}x$2.json"
+    for model in ${YOCO_MODELS:-E2B E4B}; do
+        for shape in ${YOCO_SHAPES:-1x7000 8x2048}; do
+            timeout 240 $BENCH --model-path gemma-4-$model-it --batch-size "${shape%x*}" --input-len "${shape#*x}" \
+                --yoco-ab --repeats 5 --json "$RESULTS/yoco-$model-$shape.json"
         done
     done
 }

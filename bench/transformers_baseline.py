@@ -1,7 +1,7 @@
 """transformers' Gemma 4 timed on the same device, dtype and prompts as srt: the baseline of bench_one_batch.
 
-The figures mirror srt's `generate_greedy`: wall time of each forward until its logits are on the host (the
-copy synchronises the device), prefill = one forward over the whole batch with `use_cache=True` (logits of
+The figures mirror srt's `generate_greedy`: wall time of each forward until its greedy ids are on the host
+(the copy synchronises the device), prefill = one forward over the whole batch with `use_cache=True` (logits of
 the last row only, as `generate` asks), decode = one token per request per step fed with the KV cache the
 previous forward returned (`past_key_values`), greedy.
 """
@@ -58,18 +58,18 @@ def greedy_steps(model: Gemma4ForCausalLM, prompts: list[list[int]], output_len:
     seconds: list[float] = []
     start = time.perf_counter()
     out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)
-    logits = out.logits[:, -1].float().cpu()  # the copy synchronises the device
+    next_ids = out.logits[:, -1].float().argmax(dim=-1)
+    tokens = next_ids.tolist()  # the copy synchronises the device; srt's steps end the same way
     seconds.append(time.perf_counter() - start)
-    next_ids = logits.argmax(dim=-1)
-    outputs = [[token] for token in next_ids.tolist()]
+    outputs = [[token] for token in tokens]
     for _ in range(output_len):
         step_ids = next_ids[:, None].to(device)  # outside the timed region, as srt builds its batch outside it
         start = time.perf_counter()
         out = model(input_ids=step_ids, past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
-        logits = out.logits[:, -1].float().cpu()
+        next_ids = out.logits[:, -1].float().argmax(dim=-1)
+        tokens = next_ids.tolist()
         seconds.append(time.perf_counter() - start)
-        next_ids = logits.argmax(dim=-1)
-        for output, token in zip(outputs, next_ids.tolist()):
+        for output, token in zip(outputs, tokens):
             output.append(token)
     return GreedyRun(seconds, outputs)
 

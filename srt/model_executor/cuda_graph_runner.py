@@ -150,6 +150,7 @@ class DecodeGraphs:
             ("out_cache_loc", 0),
         ):
             self.inputs.add(name, (), torch.int64, padding)
+        self.use_graphs = use_graphs
         self._seq_lens_cpu: list[int] | None = None  # the running batch's, for eager steps (torch_native)
         self.steps = CapturedSteps(self._step, batch_sizes, use_graphs, pool, "decode")
 
@@ -172,7 +173,7 @@ class DecodeGraphs:
 
     def _step(self, batch_size: int) -> LogitsOutput:
         view = self.inputs.view(batch_size)
-        seq_lens_cpu = self._seq_lens_cpu if not self.steps.use_graphs else [1] * batch_size
+        seq_lens_cpu = self._seq_lens_cpu if not self.use_graphs else [1] * batch_size
         batch = ForwardBatch(
             mode=ForwardMode.DECODE,
             input_ids=view["input_ids"],
@@ -222,6 +223,7 @@ class SharedLayerGraphs:
         self.inputs.add("positions", (), torch.int64, 0)
         self.inputs.add("req_pool_indices", (), torch.int64, req_to_token_pool.padding_row)
         self.inputs.add("seq_lens", (), torch.int64, 1)
+        self.use_graphs = use_graphs
         self._seq_lens_cpu: list[int] | None = None
         self.steps = CapturedSteps(self._step, batch_sizes, use_graphs, pool, "the KV-shared layers")
 
@@ -253,7 +255,7 @@ class SharedLayerGraphs:
 
     def _step(self, batch_size: int) -> torch.Tensor:
         view = self.inputs.view(batch_size)
-        seq_lens_cpu = self._seq_lens_cpu if not self.steps.use_graphs else [1] * batch_size
+        seq_lens_cpu = self._seq_lens_cpu if not self.use_graphs else [1] * batch_size
         # a decode-shaped batch: one row per request, so the backends take their one-row-per-request path
         batch = ForwardBatch(
             mode=ForwardMode.DECODE,
