@@ -156,7 +156,9 @@ def test_scheduler_with_padded_steps_matches_one_at_a_time(tiny_checkpoint) -> N
 )
 def test_cuda_graphs_give_the_eager_greedy_outputs(tiny_checkpoint, variant: str) -> None:
     path = tiny_checkpoint(variant)
-    common = dict(model_path=str(path), device="cuda", dtype="bfloat16", max_running_requests=16)
+    common = dict(
+        model_path=str(path), device="cuda", dtype="bfloat16", max_running_requests=16, max_total_tokens=8192
+    )
     graphs = ModelRunner(ServerArgs(**common))
     eager = ModelRunner(ServerArgs(**common, disable_cuda_graph=True))
     assert graphs.decode_graphs is not None and graphs.decode_graphs.steps.use_graphs
@@ -168,3 +170,5 @@ def test_cuda_graphs_give_the_eager_greedy_outputs(tiny_checkpoint, variant: str
         assert ours.output_ids == reference.output_ids, f"batch {batch}"
         for a, b in zip(ours.step_logits, reference.step_logits, strict=True):
             assert relative_error(a, b) < 2e-2
+    del graphs, eager
+    torch.cuda.empty_cache()

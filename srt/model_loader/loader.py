@@ -65,6 +65,7 @@ def load_model(
         if model_path is None:
             raise ValueError("a checkpoint directory is needed unless load_format is 'dummy'")
         load_safetensors(model, config, model_path)
+    model.fuse_projections()
     return model
 
 

@@ -62,8 +62,21 @@ class ScaledEmbedding(nn.Embedding):
         return super().forward(ids) * torch.tensor(self.scale, dtype=self.weight.dtype)
 
 
+@torch.no_grad()
+def stack_linears(*linears: nn.Linear) -> nn.Linear:
+    """One bias-free Linear whose output is the given Linears' outputs side by side (one matmul, not several)."""
+    weight = torch.cat([linear.weight for linear in linears])
+    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    stacked.weight.copy_(weight)
+    return stacked
+
+
 class Gemma4Attention(nn.Module):
-    """q/k/v projections with q/k/v norms and RoPE; scaling 1.0. KV-shared layers have only q and o."""
+    """q/k/v projections with q/k/v norms and RoPE; scaling 1.0. KV-shared layers have only q and o.
+
+    Weights load into the checkpoint's q_proj / k_proj / v_proj; `fuse_projections` then stacks them into
+    `qkv_proj` (q and k only on k_eq_v layers), the form `forward` runs.
+    """
 
     def __init__(self, spec: AttentionLayerSpec, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -71,13 +84,21 @@ class Gemma4Attention(nn.Module):
         dim, heads, kv_heads = spec.head_dim, spec.num_heads, spec.num_kv_heads
         self.q_proj = nn.Linear(hidden_size, heads * dim, bias=False)
         self.q_norm = RMSNorm(dim, eps=eps)
+        self.qkv_proj: nn.Linear | None = None
+        self.proj_sizes = [heads * dim]
         if spec.owns_kv:
             self.k_proj = nn.Linear(hidden_size, kv_heads * dim, bias=False)
             # k_eq_v layers (full layers of 26B/31B) take V from the K projection before its norm and RoPE
             self.v_proj = None if spec.k_eq_v else nn.Linear(hidden_size, kv_heads * dim, bias=False)
             self.k_norm = RMSNorm(dim, eps=eps)
             self.v_norm = RMSNorm(dim, eps=eps, with_scale=False)
+            self.proj_sizes += [kv_heads * dim] * (1 if spec.k_eq_v else 2)
         self.o_proj = nn.Linear(heads * dim, hidden_size, bias=False)
+
+    def fuse_projections(self) -> None:
+        if self.spec.owns_kv and self.qkv_proj is None:
+            self.qkv_proj = stack_linears(*(p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None))
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -88,26 +109,41 @@ class Gemma4Attention(nn.Module):
     ) -> torch.Tensor:
         tokens, dim = hidden.shape[0], self.spec.head_dim
         cos, sin = cos_sin
-        q = apply_rotary(self.q_norm(self.q_proj(hidden).view(tokens, -1, dim)), cos, sin)
-        if self.spec.owns_kv:
-            k_raw = self.k_proj(hidden).view(tokens, -1, dim)
-            v_raw = k_raw if self.v_proj is None else self.v_proj(hidden).view(tokens, -1, dim)
-            k = apply_rotary(self.k_norm(k_raw), cos, sin)
-            out = backend.forward(q, k, self.v_norm(v_raw), self.spec, batch)
-        else:
+        if not self.spec.owns_kv:
+            q = apply_rotary(self.q_norm(self.q_proj(hidden).view(tokens, -1, dim)), cos, sin)
             out = backend.forward(q, None, None, self.spec, batch, save_kv=False)
+            return self.o_proj(out.reshape(tokens, -1))
+        if self.qkv_proj is None:
+            raise RuntimeError("Gemma4Attention runs after fuse_projections() (load_model calls it)")
+        q_raw, k_raw, *v_part = self.qkv_proj(hidden).split(self.proj_sizes, dim=-1)
+        q = apply_rotary(self.q_norm(q_raw.view(tokens, -1, dim)), cos, sin)
+        k_raw = k_raw.view(tokens, -1, dim)
+        v_raw = v_part[0].view(tokens, -1, dim) if v_part else k_raw
+        k = apply_rotary(self.k_norm(k_raw), cos, sin)
+        out = backend.forward(q, k, self.v_norm(v_raw), self.spec, batch)
         return self.o_proj(out.reshape(tokens, -1))
 
 
 class Gemma4MLP(nn.Module):
+    """gelu-tanh gated MLP; `fuse_projections` stacks the checkpoint's gate_proj and up_proj into gate_up_proj."""
+
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse_projections(self) -> None:
+        if self.gate_up_proj is None:
+            self.gate_up_proj = stack_linears(self.gate_proj, self.up_proj)
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+        if self.gate_up_proj is None:
+            raise RuntimeError("Gemma4MLP runs after fuse_projections() (load_model calls it)")
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -277,6 +313,12 @@ class Gemma4ForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(config.hf_text_config.tie_word_embeddings)
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def fuse_projections(self) -> None:
+        """Stack projections that read the same input into one matmul each; call once, after loading weights."""
+        for module in self.modules():
+            if isinstance(module, (Gemma4Attention, Gemma4MLP)):
+                module.fuse_projections()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
