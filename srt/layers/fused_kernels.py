@@ -1,0 +1,300 @@
+"""Fused elementwise ops of a Gemma 4 decoder layer: fewer, larger kernels for launch-bound decode.
+
+At batch 1 a decode step is bound by kernel launches (~2 us each), not by bytes; every op below replaces
+2 to 6 torch kernels with one Triton launch:
+
+- `rms_norm_rope`: the q/k norm and rotate-half RoPE (norm, cast, two muls, neg, cat, add).
+- `add_rms_norm`: a post-attention / post-feedforward norm, the residual add and the layer scalar.
+- `gelu_tanh_mul` / `gelu_tanh_mul_packed`: the MLP's gelu(gate, tanh) * up, straight from the gate_up GEMM.
+
+Each op has a pure-torch `*_reference` next to it: the reference is the math (it is what `RMSNorm`,
+`apply_rotary` and the MLP compute today, op by op) and the CPU path. The wrappers take `use_triton`:
+None runs Triton on CUDA and the reference elsewhere; True forces Triton (on the CPU only under Triton's
+interpreter, TRITON_INTERPRET=1 set before this module is imported, as test/conftest.py does).
+
+Rounding. The kernels compute in float32 and round to the tensor dtype where torch would round, so that
+they agree with the references bit for bit up to float32 noise (1/sqrt vs pow(-0.5), summation order, exp
+vs tanh), which can flip the last bit of a rounded bf16 value now and then:
+
+- the RMSNorm output is rounded to x's dtype before anything uses it, as `RMSNorm` returns it;
+- `add_rms_norm` rounds the sum, then the product with the scale: torch's two ops, each exact in float32
+  and rounded once;
+- `gelu_tanh_mul` rounds gelu(gate), then the product: torch's two ops;
+- `rms_norm_rope` is the one exception: y * cos + rotate_half(y) * sin is computed in float32 from the
+  rounded y, cos and sin and rounded once, where torch rounds y * cos, rotate_half(y) * sin and their sum
+  each to bf16. The fused result is the more accurate one; the two differ by at most a couple of bf16 ulps
+  (in float32 they are the same).
+
+Everything is CUDA-graph safe: no host syncs, and None weights/scales select a compile-time variant.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+except ImportError:  # CPU-only installs: the references serve every call, the kernels stay plain functions
+    triton = None
+    _jit = lambda fn: fn  # noqa: E731
+
+
+def _runs_triton(device: torch.device, use_triton: bool | None, kernel: object) -> bool:
+    """Resolve `use_triton` (None: Triton on CUDA, the reference elsewhere) and check that Triton can run."""
+    if use_triton is None:
+        return device.type == "cuda" and triton is not None
+    if use_triton:
+        interpreted = type(kernel).__name__ == "InterpretedFunction"
+        if triton is None or not (device.type == "cuda" or (device.type == "cpu" and interpreted)):
+            raise RuntimeError(
+                f"use_triton=True cannot run on {device.type}: needs CUDA, or the CPU with TRITON_INTERPRET=1 "
+                "set before srt.layers.fused_kernels was imported"
+            )
+    return use_triton
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    # RMSNorm.reference, op for op (pow(-0.5), not rsqrt)
+    x32 = x.float()
+    normed = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        normed = normed * weight.float()
+    return normed.type_as(x)
+
+
+@_jit
+def _round(x, DTYPE: tl.constexpr):
+    """float32 `x` rounded to DTYPE (round to nearest even), returned as float32.
+
+    bfloat16 rounds in integer ops: Triton's CPU interpreter truncates float32 -> bfloat16 casts where the GPU
+    rounds, and this keeps the tested path and the GPU path the same code (a few integer ops on registers).
+    """
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
+    else:
+        return x.to(DTYPE).to(tl.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RMSNorm + RoPE (q and k heads)
+
+
+@_jit
+def _rms_norm_rope_kernel(
+    x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr,
+    stride_x_tok, stride_x_head, stride_cos_tok, stride_sin_tok, stride_out_tok, stride_out_head, eps,
+    HEAD_DIM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+):  # fmt: skip
+    # one program per (token, head); rotate_half pairs column c with (c + HEAD_DIM/2) % HEAD_DIM, loaded a
+    # second time (an L1 hit) rather than shuffled in registers
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    cols = tl.arange(0, HEAD_DIM)
+    partner = (cols + HALF) % HEAD_DIM
+    x_row = x_ptr + tok * stride_x_tok + head * stride_x_head
+    x = tl.load(x_row + cols).to(tl.float32)
+    x_partner = tl.load(x_row + partner).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+    y = x * rstd
+    y_partner = x_partner * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(weight_ptr + cols).to(tl.float32)
+        y_partner = y_partner * tl.load(weight_ptr + partner).to(tl.float32)
+    # the norm's output is rounded to x's dtype, as RMSNorm returns it; RoPE then runs in float32
+    dtype = out_ptr.dtype.element_ty
+    y = _round(y, dtype)
+    y_partner = _round(y_partner, dtype)
+    rotated = tl.where(cols < HALF, -y_partner, y_partner)
+    cos = tl.load(cos_ptr + tok * stride_cos_tok + cols).to(tl.float32)
+    sin = tl.load(sin_ptr + tok * stride_sin_tok + cols).to(tl.float32)
+    out = _round(y * cos + rotated * sin, dtype)
+    tl.store(out_ptr + tok * stride_out_tok + head * stride_out_head + cols, out.to(dtype))
+
+
+def rms_norm_rope_reference(
+    x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """`apply_rotary(RMSNorm(x), cos, sin)` in torch, op by op in x's dtype (the math of `rms_norm_rope`)."""
+    y = _rms_norm_reference(x, weight, eps)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    half = y.shape[-1] // 2
+    return y * cos + torch.cat((-y[..., half:], y[..., :half]), dim=-1) * sin
+
+
+def rms_norm_rope(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """RMSNorm over head_dim, then rotate-half RoPE: a new contiguous [tokens, heads, head_dim] in x's dtype.
+
+    x: [tokens, heads, head_dim], any float dtype, any strides with a contiguous last dim (e.g. a split of the
+    fused qkv GEMM viewed per head); head_dim a power of two. weight: [head_dim] or None (scale-free norm).
+    cos, sin: [tokens, head_dim] in x's dtype. The norm output is rounded to x's dtype before RoPE; the
+    fused RoPE then rounds once from float32 (see the module docstring).
+    """
+    if not _runs_triton(x.device, use_triton, _rms_norm_rope_kernel):
+        return rms_norm_rope_reference(x, weight, cos, sin, eps)
+    tokens, heads, dim = x.shape
+    if dim & (dim - 1):
+        raise ValueError(f"rms_norm_rope needs a power-of-two head_dim, got {dim}")
+    x, cos, sin = _last_dim_contiguous(x), _last_dim_contiguous(cos), _last_dim_contiguous(sin)
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    if tokens and heads:
+        _rms_norm_rope_kernel[(tokens, heads)](
+            x, weight if weight is not None else x, cos, sin, out,
+            x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), out.stride(0), out.stride(1), eps,
+            HEAD_DIM=dim, HAS_WEIGHT=weight is not None, num_warps=max(1, min(4, dim // 128)),
+        )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# residual + RMSNorm (* layer scalar)
+
+
+@_jit
+def _add_rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, scale_ptr, out_ptr,
+    stride_x, stride_residual, stride_out, n_cols, eps,
+    HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    normed = x * rstd
+    if HAS_WEIGHT:
+        normed = normed * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = out_ptr.dtype.element_ty
+    # round where torch does: the norm's output, the sum, the product with the scale
+    normed = _round(normed, dtype)
+    residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
+    out = _round(residual + normed, dtype)
+    if HAS_SCALE:
+        out = _round(out * tl.load(scale_ptr).to(tl.float32), dtype)
+    tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`(residual + RMSNorm(x)) * scale` in torch, op by op (the math of `add_rms_norm`), in residual's dtype.
+
+    The product is taken in float32 and rounded once, which is torch's `summed * scale` when scale has the
+    residual's dtype (as the layer scalar buffer does), and keeps the residual's dtype when it is float32.
+    """
+    summed = residual + _rms_norm_reference(x, weight, eps)
+    if scale is None:
+        return summed
+    return (summed.float() * scale.float()).to(residual.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    scale: torch.Tensor | None = None,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """(residual + RMSNorm(x) * weight) * scale as a new [tokens, hidden] tensor in residual's dtype.
+
+    x, residual: [tokens, hidden] of one dtype, any row strides (contiguous last dim). weight: [hidden] or
+    None. scale: a 1-element tensor (the layer scalar, read on the device: graph-safe) or None. The norm
+    output, the sum and the scaled sum are each rounded to the dtype, as the op-by-op torch code rounds them.
+    """
+    if x.shape != residual.shape or x.dtype != residual.dtype:
+        raise ValueError(f"add_rms_norm: x {x.dtype}{list(x.shape)} vs residual {residual.dtype}{list(residual.shape)}")
+    if not _runs_triton(x.device, use_triton, _add_rms_norm_kernel):
+        return add_rms_norm_reference(x, residual, weight, eps, scale)
+    x, residual = _last_dim_contiguous(x), _last_dim_contiguous(residual)
+    tokens, hidden = x.shape
+    out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+    if tokens:
+        block = triton.next_power_of_2(hidden)
+        _add_rms_norm_kernel[(tokens,)](
+            x, residual, weight if weight is not None else x, scale if scale is not None else x, out,
+            x.stride(0), residual.stride(0), out.stride(0), hidden, eps,
+            HAS_WEIGHT=weight is not None, HAS_SCALE=scale is not None, BLOCK=block,
+            num_warps=min(16, max(1, block // 256)),
+        )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gelu(gate, tanh) * up
+
+
+@_jit
+def _gelu_tanh_mul_kernel(
+    gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_out, n_cols,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) * (...)
+    # 0.5 * (1 + tanh(z)) == sigmoid(2z): no tanh needed, and no cancellation for negative z (the clamp only
+    # keeps exp finite: gelu is ~1e-35 * gate there either way)
+    gelu = gate / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 80.0)))
+    dtype = out_ptr.dtype.element_ty
+    out = _round(_round(gelu, dtype) * up, dtype)  # torch rounds gelu's output before the product
+    tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)
+
+
+def gelu_tanh_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """`F.gelu(gate, approximate="tanh") * up` (the math of `gelu_tanh_mul`)."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
+def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up as a new contiguous [tokens, n] tensor in gate's dtype.
+
+    gate, up: [tokens, n] of one dtype with any row strides and a contiguous last dim, e.g. the two column
+    halves of one [tokens, 2n] GEMM output. gelu(gate) is rounded to the dtype before the product, as torch
+    rounds it.
+    """
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"gelu_tanh_mul: gate {gate.dtype}{list(gate.shape)} vs up {up.dtype}{list(up.shape)}")
+    if not _runs_triton(gate.device, use_triton, _gelu_tanh_mul_kernel):
+        return gelu_tanh_mul_reference(gate, up)
+    gate, up = _last_dim_contiguous(gate), _last_dim_contiguous(up)
+    tokens, n = gate.shape
+    out = torch.empty((tokens, n), dtype=gate.dtype, device=gate.device)
+    if tokens and n:
+        block = min(1024, triton.next_power_of_2(n))
+        _gelu_tanh_mul_kernel[(tokens, triton.cdiv(n, block))](
+            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), n,
+            BLOCK=block, num_warps=max(1, min(4, block // 256)),
+        )  # fmt: skip
+    return out
+
+
+def gelu_tanh_mul_packed(gate_up: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
+    """`gelu_tanh_mul` of a [tokens, 2n] tensor whose first n columns are gate and last n are up."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gelu_tanh_mul_packed needs an even number of columns, got {gate_up.shape[-1]}")
+    gate, up = gate_up.chunk(2, dim=-1)
+    return gelu_tanh_mul(gate, up, use_triton=use_triton)

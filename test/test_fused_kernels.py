@@ -1,0 +1,294 @@
+"""The fused decoder-layer kernels against their torch references and against the modules the model uses today.
+
+On the CPU the Triton path runs under Triton's interpreter (`use_triton=True`, TRITON_INTERPRET=1 from
+conftest), so shapes stay tiny; the `gpu` test runs real Gemma 4 sizes and a CUDA graph replay.
+
+bf16 checks are in ulps of the magnitudes that get rounded: the kernels round where torch rounds except for
+RoPE, which rounds once from float32 (see srt/layers/fused_kernels.py), and float32 noise (summation order,
+exp vs tanh) may flip a rounded bf16 bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from srt.layers.fused_kernels import (  # noqa: E402
+    add_rms_norm,
+    add_rms_norm_reference,
+    gelu_tanh_mul,
+    gelu_tanh_mul_packed,
+    gelu_tanh_mul_reference,
+    rms_norm_rope,
+    rms_norm_rope_reference,
+)
+from srt.layers.layernorm import RMSNorm  # noqa: E402
+from srt.layers.rotary import apply_rotary  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+
+
+def bf16_ulp(magnitude: torch.Tensor) -> torch.Tensor:
+    """The spacing of bfloat16 values (8 significant bits) at |magnitude|, elementwise, in float32."""
+    exponent = torch.floor(torch.log2(magnitude.float().abs().clamp_min(2.0**-120)))
+    return torch.pow(2.0, exponent - 7)
+
+
+def assert_within_ulps(got: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor, ulps: float) -> None:
+    """|got - expected| <= ulps bf16 ulps of `magnitude` (the size of what was rounded), elementwise."""
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    error = (got.float() - expected.float()).abs()
+    bound = ulps * bf16_ulp(magnitude)
+    worst = (error / bound).max().item() if error.numel() else 0.0
+    assert bool((error <= bound).all()), f"off by up to {worst:.2f} x {ulps} ulps"
+
+
+def random_weight(dim: int, generator: torch.Generator) -> torch.Tensor:
+    return 1 + 0.3 * torch.randn(dim, generator=generator)
+
+
+def cos_sin(tokens: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Default-RoPE tables as RotaryEmbedding.cos_sin builds them, at scattered positions."""
+    positions = torch.arange(tokens, dtype=torch.float32) * 37 + 5
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(DEVICE, dtype), emb.sin().to(DEVICE, dtype)
+
+
+def projection_heads(
+    tokens: int, heads: int, dim: int, dtype: torch.dtype, strided: bool, generator: torch.Generator
+) -> torch.Tensor:
+    """[tokens, heads, dim]; `strided`: the k part of a fused q/k/v GEMM output viewed per head, as the model does."""
+    if not strided:
+        return (3 * torch.randn(tokens, heads, dim, generator=generator)).to(DEVICE, dtype)
+    qkv = (3 * torch.randn(tokens, (2 * heads + 1) * dim, generator=generator)).to(DEVICE, dtype)
+    _, k, _ = qkv.split([heads * dim, heads * dim, dim], dim=-1)
+    x = k.view(tokens, heads, dim)
+    assert x.storage_offset() == heads * dim  # an offset view with row stride (2 * heads + 1) * dim
+    return x
+
+
+# ---------------------------------------------------------------------------------------------------------
+# rms_norm_rope
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rope_reference_is_rmsnorm_then_apply_rotary(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(0)
+    tokens, heads, dim = 5, 3, 32
+    x = projection_heads(tokens, heads, dim, dtype, strided=True, generator=generator)
+    cos, sin = cos_sin(tokens, dim, dtype)
+    norm = RMSNorm(dim, eps=EPS)
+    norm.weight.data = random_weight(dim, generator)
+    norm = norm.to(DEVICE, dtype)
+    scale_free = RMSNorm(dim, eps=EPS, with_scale=False)
+    with torch.no_grad():
+        assert torch.equal(
+            rms_norm_rope_reference(x, norm.weight, cos, sin, EPS), apply_rotary(norm.reference(x), cos, sin)
+        )
+        assert torch.equal(
+            rms_norm_rope_reference(x, None, cos, sin, EPS), apply_rotary(scale_free.reference(x), cos, sin)
+        )
+        if DEVICE == "cpu":  # the module's forward is the reference there
+            assert torch.equal(rms_norm_rope_reference(x, norm.weight, cos, sin, EPS), apply_rotary(norm(x), cos, sin))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 16), (3, 2, 32), (7, 4, 64)])
+@pytest.mark.parametrize("with_weight", [True, False])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rope_kernel(
+    shape: tuple[int, int, int], with_weight: bool, strided: bool, dtype: torch.dtype
+) -> None:
+    generator = torch.Generator().manual_seed(sum(shape))
+    tokens, heads, dim = shape
+    x = projection_heads(tokens, heads, dim, dtype, strided, generator)
+    weight = random_weight(dim, generator).to(DEVICE, dtype) if with_weight else None
+    cos, sin = cos_sin(tokens, dim, dtype)
+    got = rms_norm_rope(x, weight, cos, sin, EPS, use_triton=True)
+    assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
+    expected = rms_norm_rope_reference(x, weight, cos, sin, EPS)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        return
+    # the float32 RoPE of the same rounded norm output, rounded once: what the kernel computes
+    norm = RMSNorm(dim, eps=EPS, with_scale=with_weight)
+    if with_weight:
+        norm.weight.data = weight
+    y = norm.reference(x).detach()
+    y32, cos32, sin32 = y.float(), cos.float()[:, None], sin.float()[:, None]
+    rotated = torch.cat((-y32[..., dim // 2 :], y32[..., : dim // 2]), dim=-1)
+    oracle = (y32 * cos32 + rotated * sin32).to(dtype)
+    magnitude = (y32 * cos32).abs() + (rotated * sin32).abs()
+    assert_within_ulps(got, oracle, magnitude, 1)
+    assert (got == oracle).float().mean() >= 0.95
+    # torch's op-by-op bf16 rounds y*cos, rotated*sin and their sum: a couple of ulps from the single rounding
+    assert_within_ulps(got, expected, magnitude, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# add_rms_norm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_reference_is_residual_plus_rmsnorm_times_scale(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(1)
+    hidden = 96
+    x = (3 * torch.randn(4, hidden, generator=generator)).to(DEVICE, dtype)
+    residual = torch.randn(4, hidden, generator=generator).to(DEVICE, dtype)
+    norm = RMSNorm(hidden, eps=EPS)
+    norm.weight.data = random_weight(hidden, generator)
+    norm = norm.to(DEVICE, dtype)
+    scale = torch.tensor([0.37], device=DEVICE).to(dtype)  # the layer scalar buffer, in the model's dtype
+    with torch.no_grad():
+        normed = norm(x) if DEVICE == "cpu" else norm.reference(x)
+        assert torch.equal(add_rms_norm_reference(x, residual, norm.weight, EPS, scale), (residual + normed) * scale)
+        assert torch.equal(add_rms_norm_reference(x, residual, norm.weight, EPS), residual + normed)
+        scale_free = RMSNorm(hidden, eps=EPS, with_scale=False)
+        assert torch.equal(add_rms_norm_reference(x, residual, None, EPS), residual + scale_free.reference(x))
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+@pytest.mark.parametrize("hidden", [64, 96])
+@pytest.mark.parametrize("with_weight", [True, False])
+@pytest.mark.parametrize("with_scale", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_kernel(tokens: int, hidden: int, with_weight: bool, with_scale: bool, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(tokens * hidden)
+    # x as a column slice of a wider output (row stride 2 * hidden), the residual contiguous
+    x = (3 * torch.randn(tokens, 2 * hidden, generator=generator)).to(DEVICE, dtype)[:, hidden:]
+    residual = torch.randn(tokens, hidden, generator=generator).to(DEVICE, dtype)
+    weight = random_weight(hidden, generator).to(DEVICE, dtype) if with_weight else None
+    scale = torch.tensor([0.37], device=DEVICE).to(dtype) if with_scale else None
+    got = add_rms_norm(x, residual, weight, EPS, scale, use_triton=True)
+    assert got.shape == residual.shape and got.dtype == dtype
+    expected = add_rms_norm_reference(x, residual, weight, EPS, scale)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        return
+    # rounding as torch rounds: bit-equal unless float32 noise flips a rounded bit of the norm
+    normed = RMSNorm(hidden, eps=EPS, with_scale=False).reference(x).float() * (1 if weight is None else weight.float())
+    magnitude = (residual.float().abs() + normed.abs()) * (1 if scale is None else scale.float().abs())
+    assert_within_ulps(got, expected, magnitude, 1)
+    assert (got == expected).float().mean() > 0.9
+
+
+def test_add_rms_norm_float32_scale_keeps_the_dtype() -> None:
+    x, residual = (torch.randn(2, 64, device=DEVICE).bfloat16() for _ in range(2))
+    scale = torch.tensor([0.5], device=DEVICE)  # float32: scaling by a power of two is exact either way
+    normed = RMSNorm(64, with_scale=False).reference(x)
+    expected = add_rms_norm_reference(x, residual, None, EPS, scale)
+    assert torch.equal(expected, ((residual + normed) * scale).bfloat16())
+    got = add_rms_norm(x, residual, None, EPS, scale, use_triton=True)
+    assert got.dtype == torch.bfloat16
+    assert_within_ulps(got, expected, (residual.float().abs() + normed.float().abs()) * 0.5, 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gelu_tanh_mul
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("layout", ["packed", "halves", "separate"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul_kernel(tokens: int, layout: str, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(tokens)
+    n = 48
+    gate_up = (3 * torch.randn(tokens, 2 * n, generator=generator)).to(DEVICE, dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    if layout == "packed":
+        got = gelu_tanh_mul_packed(gate_up, use_triton=True)
+    elif layout == "halves":  # row stride 2n, no copy
+        got = gelu_tanh_mul(gate, up, use_triton=True)
+    else:
+        got = gelu_tanh_mul(gate.contiguous(), up.contiguous(), use_triton=True)
+    assert got.shape == (tokens, n) and got.dtype == dtype
+    expected = F.gelu(gate, approximate="tanh") * up
+    assert torch.equal(gelu_tanh_mul_reference(gate, up), expected)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        return
+    # float64 gelu in the cancellation-free form, rounded where torch rounds: what the kernel computes
+    g64 = gate.double()
+    gelu64 = g64 * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (g64 + 0.044715 * g64**3))
+    oracle = (gelu64.to(dtype).float() * up.float()).to(dtype)
+    magnitude = gelu64.abs() * up.double().abs()
+    assert_within_ulps(got, oracle, magnitude, 1)
+    assert (got == oracle).float().mean() >= 0.95
+    # torch's 0.5 * g * (1 + tanh) cancels for negative g: allow its float32 error (~2^-23 of |g * up|)
+    error = (got.float() - expected.float()).abs()
+    assert bool((error <= bf16_ulp(magnitude) + (gate.float() * up.float()).abs() * 2.0**-22).all())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# every op: empty batches, the CPU default
+
+
+def test_zero_tokens() -> None:
+    cos, sin = cos_sin(0, 16, torch.float32)
+    assert rms_norm_rope(torch.empty(0, 2, 16, device=DEVICE), None, cos, sin, EPS, use_triton=True).shape == (0, 2, 16)
+    empty = torch.empty(0, 64, device=DEVICE)
+    assert add_rms_norm(empty, empty, None, EPS, torch.ones(1, device=DEVICE), use_triton=True).shape == (0, 64)
+    assert gelu_tanh_mul_packed(torch.empty(0, 96, device=DEVICE), use_triton=True).shape == (0, 48)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU default is the torch reference")
+def test_cpu_default_is_the_reference() -> None:
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 2, 16, generator=generator)
+    weight = random_weight(16, generator)
+    cos, sin = cos_sin(3, 16, torch.float32)
+    assert torch.equal(rms_norm_rope(x, weight, cos, sin, EPS), rms_norm_rope_reference(x, weight, cos, sin, EPS))
+    rows, residual, scale = x.view(3, 32), torch.randn(3, 32, generator=generator), torch.tensor([0.3])
+    assert torch.equal(
+        add_rms_norm(rows, residual, None, EPS, scale), add_rms_norm_reference(rows, residual, None, EPS, scale)
+    )
+    assert torch.equal(gelu_tanh_mul_packed(rows), gelu_tanh_mul_reference(*rows.chunk(2, dim=-1)))
+
+
+@pytest.mark.gpu
+def test_gpu_real_sizes_bf16_under_a_cuda_graph() -> None:
+    """E4B-like sizes (head_dim 512, hidden 2560, intermediate 10240) in bf16, captured once and replayed."""
+    generator = torch.Generator().manual_seed(4)
+    tokens, heads, dim, hidden, n = 4, 8, 512, 2560, 10240
+    bf16 = torch.bfloat16
+    x = projection_heads(tokens, heads, dim, bf16, strided=True, generator=generator)
+    head_weight = random_weight(dim, generator).to(DEVICE, bf16)
+    cos, sin = cos_sin(tokens, dim, bf16)
+    attn = (3 * torch.randn(tokens, hidden, generator=generator)).to(DEVICE, bf16)
+    residual = torch.randn(tokens, hidden, generator=generator).to(DEVICE, bf16)
+    weight = random_weight(hidden, generator).to(DEVICE, bf16)
+    scale = torch.tensor([0.37], device=DEVICE, dtype=bf16)
+    gate_up = (3 * torch.randn(tokens, 2 * n, generator=generator)).to(DEVICE, bf16)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (
+            rms_norm_rope(x, head_weight, cos, sin, EPS),
+            add_rms_norm(attn, residual, weight, EPS, scale),
+            gelu_tanh_mul_packed(gate_up),
+        )
+
+    run()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run()
+    for source in (x, attn, gate_up):  # new inputs in place: the replay must read them
+        source.copy_(torch.randn(source.shape, generator=generator).to(DEVICE, bf16) * 3)
+    graph.replay()
+    torch.cuda.synchronize()
+    rope, added, gated = outs
+    torch.testing.assert_close(
+        rope.float(), rms_norm_rope_reference(x, head_weight, cos, sin, EPS).float(), rtol=2**-6, atol=2**-6
+    )
+    torch.testing.assert_close(
+        added.float(), add_rms_norm_reference(attn, residual, weight, EPS, scale).float(), rtol=2**-7, atol=2**-7
+    )
+    expected = gelu_tanh_mul_reference(*gate_up.chunk(2, dim=-1)).float()
+    torch.testing.assert_close(gated.float(), expected, rtol=2**-7, atol=1e-3)
