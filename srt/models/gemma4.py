@@ -26,16 +26,16 @@ import os
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from srt.configs.model_config import AttentionLayerSpec, ModelConfig
 from srt.layers.attention.base import AttentionBackend
+from srt.layers.fused_kernels import add_rms_norm, gelu_tanh_mul, gelu_tanh_mul_packed, rms_norm_rope
 from srt.layers.layernorm import RMSNorm
 from srt.layers.logits_processor import LogitsOutput, compute_logits
 from srt.layers.moe.experts import Experts
 from srt.layers.moe.router import Router
-from srt.layers.rotary import RotaryEmbedding, apply_rotary
+from srt.layers.rotary import RotaryEmbedding
 from srt.model_executor.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -110,18 +110,22 @@ class Gemma4Attention(nn.Module):
         tokens, dim = hidden.shape[0], self.spec.head_dim
         cos, sin = cos_sin
         if not self.spec.owns_kv:
-            q = apply_rotary(self.q_norm(self.q_proj(hidden).view(tokens, -1, dim)), cos, sin)
+            q = self._norm_rope(self.q_norm, self.q_proj(hidden).view(tokens, -1, dim), cos, sin)
             out = backend.forward(q, None, None, self.spec, batch, save_kv=False)
             return self.o_proj(out.reshape(tokens, -1))
         if self.qkv_proj is None:
             raise RuntimeError("Gemma4Attention runs after fuse_projections() (load_model calls it)")
         q_raw, k_raw, *v_part = self.qkv_proj(hidden).split(self.proj_sizes, dim=-1)
-        q = apply_rotary(self.q_norm(q_raw.view(tokens, -1, dim)), cos, sin)
+        q = self._norm_rope(self.q_norm, q_raw.view(tokens, -1, dim), cos, sin)
         k_raw = k_raw.view(tokens, -1, dim)
         v_raw = v_part[0].view(tokens, -1, dim) if v_part else k_raw
-        k = apply_rotary(self.k_norm(k_raw), cos, sin)
+        k = self._norm_rope(self.k_norm, k_raw, cos, sin)
         out = backend.forward(q, k, self.v_norm(v_raw), self.spec, batch)
         return self.o_proj(out.reshape(tokens, -1))
+
+    @staticmethod
+    def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rms_norm_rope(x, norm.weight, cos, sin, norm.eps)
 
 
 class Gemma4MLP(nn.Module):
@@ -142,8 +146,7 @@ class Gemma4MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             raise RuntimeError("Gemma4MLP runs after fuse_projections() (load_model calls it)")
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return self.down_proj(gelu_tanh_mul_packed(self.gate_up_proj(x)))
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -184,7 +187,7 @@ class Gemma4DecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(hidden), cos_sin, batch, backend)
-        hidden = hidden + self.post_attention_layernorm(attn)
+        hidden = add_norm(self.post_attention_layernorm, attn, hidden)
 
         residual = hidden
         mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
@@ -192,13 +195,24 @@ class Gemma4DecoderLayer(nn.Module):
             # the router and the experts see the residual stream, not the dense MLP's input norm
             routing = self.router(residual)
             expert_out = self.experts(self.pre_feedforward_layernorm_2(residual), *routing)
-            mlp_out = self.post_feedforward_layernorm_1(mlp_out) + self.post_feedforward_layernorm_2(expert_out)
-        hidden = residual + self.post_feedforward_layernorm(mlp_out)
+            expert_out = self.post_feedforward_layernorm_2(expert_out)
+            mlp_out = add_norm(self.post_feedforward_layernorm_1, mlp_out, expert_out)
+        # the layer scalar multiplies the layer's last sum: the per-layer-input one where there is one
+        scale = None if self.ple_dim else self.layer_scalar
+        hidden = add_norm(self.post_feedforward_layernorm, mlp_out, residual, scale)
 
         if self.ple_dim:
-            gated = F.gelu(self.per_layer_input_gate(hidden), approximate="tanh") * per_layer_input
-            hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gated))
-        return hidden * self.layer_scalar
+            gated = gelu_tanh_mul(self.per_layer_input_gate(hidden), per_layer_input)
+            projected = self.per_layer_projection(gated)
+            hidden = add_norm(self.post_per_layer_input_norm, projected, hidden, self.layer_scalar)
+        return hidden
+
+
+def add_norm(
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(residual + norm(x)) * scale in one fused kernel on GPU."""
+    return add_rms_norm(x, residual, norm.weight if norm.with_scale else None, norm.eps, scale)
 
 
 class TextModelOutput(NamedTuple):
