@@ -66,11 +66,16 @@ stage_serving() {  # 30 prompts x 7000 input / 10 output tokens at full concurre
     tail -5 "$RESULTS/server.log"
 }
 
-stage_profile() {  # where decode time goes, kernel by kernel (eager: graph replays hide the kernels)
-    timeout 200 python3 bench/profile_forward.py --model-path gemma-4-E4B-it --load-format dummy \
-        --dtype bfloat16 --phase decode --batch-size 1 --input-len 512 --disable-cuda-graph \
-        >"$RESULTS/profile-E4B-decode-bs1.txt" 2>&1
-    head -40 "$RESULTS/profile-E4B-decode-bs1.txt"
+stage_profile() {  # where time goes, kernel by kernel (eager: graph replays hide the kernels)
+    # PROFILES: model:batch:phase[:extra flag], e.g. E4B:1:decode or 26B-A4B:1:decode:--swa-full-tokens-ratio=1
+    for run in ${PROFILES:-E4B:1:decode}; do
+        IFS=: read -r model batch phase extra <<<"$run"
+        out="$RESULTS/profile-$model-$phase-bs$batch.txt"
+        timeout 200 python3 bench/profile_forward.py --model-path gemma-4-$model-it --load-format dummy \
+            --dtype bfloat16 --phase "$phase" --batch-size "$batch" --input-len 512 --disable-cuda-graph \
+            --rows 30 $extra >"$out" 2>&1
+        grep -E "per forward|Self CUDA time total" "$out"
+    done
 }
 
 for stage in "$@"; do

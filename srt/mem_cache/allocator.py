@@ -44,11 +44,12 @@ class TokenSlotAllocator:
         return self._free
 
     def check_integrity(self) -> None:
-        free = self._free.tolist()
-        if len(set(free)) != len(free):
-            raise AssertionError("a slot is on the free list twice")
-        if free and not (1 <= min(free) and max(free) <= self.size):
+        # tensor ops on the list's own device: the server checks pools of a million slots when it goes idle
+        free = self._free
+        if len(free) and not (1 <= int(free.min()) and int(free.max()) <= self.size):
             raise AssertionError(f"free slot out of range 1..{self.size}")
+        if len(torch.unique(free)) != len(free):
+            raise AssertionError("a slot is on the free list twice")
 
 
 class SWATokenAllocator:

@@ -105,7 +105,7 @@ class CapturedSteps(Generic[StepOutput]):
 
     def _capture_all(self, pool: tuple | None, name: str) -> None:
         start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info()[0]
+        reserved_before = torch.cuda.memory_reserved()
         # largest first: the smaller graphs then fit in memory the shared pool already holds
         for batch_size in reversed(self.batch_sizes):
             for _ in range(2):  # warm-up: Triton compiles its kernels, backends make their lazy tables
@@ -116,7 +116,7 @@ class CapturedSteps(Generic[StepOutput]):
                 self.outputs[batch_size] = self.step(batch_size)
             self.graphs[batch_size] = graph
         torch.cuda.synchronize()
-        used = (free_before - torch.cuda.mem_get_info()[0]) / 2**30
+        used = (torch.cuda.memory_reserved() - reserved_before) / 2**30
         logger.info(
             "CUDA graphs of %s captured for batch sizes %s in %.1f s (%.2f GiB)",
             name,
