@@ -27,9 +27,10 @@ stage_tests() {
 }
 
 stage_decode() {  # decode at batch 1 and 32 (512-token context) and the 7000-token prefill, per model
+    # BASELINE="--baseline transformers" times transformers in the same runs
     for model in ${MODELS:-E4B E2B 26B-A4B}; do
-        extra=""
-        [ "$model" = 26B-A4B ] && extra="--swa-full-tokens-ratio 1"
+        extra="${BASELINE:-}"
+        [ "$model" = 26B-A4B ] && extra="$extra --swa-full-tokens-ratio 1"
         timeout 240 $BENCH --model-path gemma-4-$model-it $extra --batch-size 1 32 --input-len 512 \
             --output-len 32 --json "$RESULTS/decode-$model.json"
         timeout 240 $BENCH --model-path gemma-4-$model-it $extra --batch-size 1 --input-len 7000 \

@@ -156,8 +156,14 @@ def test_scheduler_with_padded_steps_matches_one_at_a_time(tiny_checkpoint) -> N
 )
 def test_cuda_graphs_give_the_eager_greedy_outputs(tiny_checkpoint, variant: str) -> None:
     path = tiny_checkpoint(variant)
+    # the pools hold the whole static batch (26B-A4B's default SWA ratio 0.15 would not)
     common = dict(
-        model_path=str(path), device="cuda", dtype="bfloat16", max_running_requests=16, max_total_tokens=8192
+        model_path=str(path),
+        device="cuda",
+        dtype="bfloat16",
+        max_running_requests=16,
+        max_total_tokens=8192,
+        swa_full_tokens_ratio=1.0,
     )
     graphs = ModelRunner(ServerArgs(**common))
     eager = ModelRunner(ServerArgs(**common, disable_cuda_graph=True))

@@ -147,8 +147,13 @@ GROUPED_MM_MAX_TOKENS = 1024
 
 
 def default_backend(hidden: torch.Tensor) -> str | None:
-    """The fastest backend that runs on `hidden` [tokens, hidden], or None: only the torch loop runs."""
-    if grouped_mm_supported(hidden) and (hidden.shape[0] < GROUPED_MM_MAX_TOKENS or not triton_supported(hidden)):
+    """The fastest backend that runs on `hidden` [tokens, hidden], or None: only the torch loop runs.
+
+    Eager, grouped_mm's fewer launches win below GROUPED_MM_MAX_TOKENS; inside a CUDA graph (decode) launches
+    cost nothing and triton's kernels are the faster ones at every size (docs/benchmarks.md).
+    """
+    eager_small = hidden.shape[0] < GROUPED_MM_MAX_TOKENS and not torch.cuda.is_current_stream_capturing()
+    if grouped_mm_supported(hidden) and (eager_small or not triton_supported(hidden)):
         return "grouped_mm"
     if triton_supported(hidden):
         return "triton"
