@@ -22,7 +22,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 'transformers', transformers.__version__)"
 
 stage_tests() {
-    timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short test >"$RESULTS/gpu-tests.txt" 2>&1
+    timeout 400 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short ${TESTS:-test} >"$RESULTS/gpu-tests.txt" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$RESULTS/gpu-tests.txt"
 }
 
