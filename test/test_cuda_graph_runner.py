@@ -174,7 +174,8 @@ def test_cuda_graphs_give_the_eager_greedy_outputs(tiny_checkpoint, variant: str
         prompts = [prompt(vocab, 5 + 11 * i, i) for i in range(batch)]
         ours, reference = generate_greedy(graphs, prompts, 12), generate_greedy(eager, prompts, 12)
         assert ours.output_ids == reference.output_ids, f"batch {batch}"
+        # bf16, and on 26B-A4B eager steps of few rows run grouped_mm experts where graphs run triton ones
         for a, b in zip(ours.step_logits, reference.step_logits, strict=True):
-            assert relative_error(a, b) < 2e-2
+            assert relative_error(a, b) < 5e-2
     del graphs, eager
     torch.cuda.empty_cache()
