@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_yoco import SCENARIOS, Driver, chunked_prefill, different_lengths, prompt, relative_error
 
+from srt.layers.moe.experts import Experts
 from srt.managers.inprocess import run_to_completion
 from srt.managers.io_struct import TokenizedGenerateReq
 from srt.managers.scheduler import Scheduler
@@ -169,13 +170,15 @@ def test_cuda_graphs_give_the_eager_greedy_outputs(tiny_checkpoint, variant: str
     eager = ModelRunner(ServerArgs(**common, disable_cuda_graph=True))
     assert graphs.decode_graphs is not None and graphs.decode_graphs.steps.use_graphs
     assert eager.decode_graphs is None
+    for module in eager.model.modules():
+        if isinstance(module, Experts):
+            module.backend = "triton"  # what the captured graphs run; eager would take grouped_mm at few rows
     vocab = graphs.model_config.vocab_size
     for batch in (1, 3, 16):
         prompts = [prompt(vocab, 5 + 11 * i, i) for i in range(batch)]
         ours, reference = generate_greedy(graphs, prompts, 12), generate_greedy(eager, prompts, 12)
         assert ours.output_ids == reference.output_ids, f"batch {batch}"
-        # bf16, and on 26B-A4B eager steps of few rows run grouped_mm experts where graphs run triton ones
         for a, b in zip(ours.step_logits, reference.step_logits, strict=True):
-            assert relative_error(a, b) < 5e-2
+            assert relative_error(a, b) < 2e-2
     del graphs, eager
     torch.cuda.empty_cache()
