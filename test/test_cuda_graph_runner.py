@@ -161,7 +161,9 @@ def test_cuda_graphs_give_the_eager_greedy_outputs(tiny_checkpoint, variant: str
     common = dict(
         model_path=str(path),
         device="cuda",
-        dtype="bfloat16",
+        # float32: in bf16 a tiny random model meets near-tied logits (and MoE routing) within a few steps,
+        # where any change of kernel or summation order may flip the greedy token
+        dtype="float32",
         max_running_requests=16,
         max_total_tokens=8192,
         swa_full_tokens_ratio=1.0,
@@ -179,6 +181,6 @@ def test_cuda_graphs_give_the_eager_greedy_outputs(tiny_checkpoint, variant: str
         ours, reference = generate_greedy(graphs, prompts, 12), generate_greedy(eager, prompts, 12)
         assert ours.output_ids == reference.output_ids, f"batch {batch}"
         for a, b in zip(ours.step_logits, reference.step_logits, strict=True):
-            assert relative_error(a, b) < 2e-2
+            assert relative_error(a, b) < 1e-3
     del graphs, eager
     torch.cuda.empty_cache()
