@@ -195,7 +195,8 @@ class Scheduler:
         else:
             start = 0
             for item in batch.items:
-                self.req_to_token_pool.write(item.req.req_pool_idx, item.req.kv_len, slots[start:][: item.num_tokens])
+                item_slots = slots[start : start + item.num_tokens]
+                self.req_to_token_pool.write(item.req.req_pool_idx, item.req.kv_len, item_slots)
                 start += item.num_tokens
         forward_batch = batch.to_forward_batch(slots, self.req_to_token_pool, self.runner.kv_pool)
         logits = self.runner.forward(forward_batch).logits

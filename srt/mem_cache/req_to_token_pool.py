@@ -44,7 +44,7 @@ class ReqToTokenPool:
 
     def write_one_each(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
         """Record slot i as the slot of token positions[i] of row rows[i]'s request (a decode step), in one op."""
-        index = torch.tensor([rows, positions], dtype=torch.int64).to(self.device, non_blocking=True)
+        index = torch.tensor([rows, positions], dtype=torch.int64, device=self.device)
         self.req_to_token[index[0], index[1]] = slots.to(torch.int32)
 
     def in_use(self) -> int:
