@@ -29,6 +29,7 @@ from typing import Generic, TypeVar
 import torch
 
 from srt.layers.attention.base import AttentionBackend
+from srt.layers.graph_mode import cuda_graph_step
 from srt.layers.logits_processor import LogitsOutput
 from srt.mem_cache.kv_pool import HybridKVPool
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -103,17 +104,19 @@ class CapturedSteps(Generic[StepOutput]):
         self.graphs[batch_size].replay()
         return self.outputs[batch_size]
 
+    @torch.no_grad()
     def _capture_all(self, pool: tuple | None, name: str) -> None:
         start = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved()
         # largest first: the smaller graphs then fit in memory the shared pool already holds
         for batch_size in reversed(self.batch_sizes):
-            for _ in range(2):  # warm-up: Triton compiles its kernels, backends make their lazy tables
-                self.step(batch_size)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[batch_size] = self.step(batch_size)
+            with cuda_graph_step():  # warm-up and capture choose the same kernels
+                for _ in range(2):  # warm-up: Triton compiles its kernels, backends make their lazy tables
+                    self.step(batch_size)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[batch_size] = self.step(batch_size)
             self.graphs[batch_size] = graph
         torch.cuda.synchronize()
         used = (torch.cuda.memory_reserved() - reserved_before) / 2**30
@@ -253,6 +256,7 @@ class SharedLayerGraphs:
         self._seq_lens_cpu = [batch.seq_lens_cpu[i] for i in with_rows] + [1] * (padded - num_rows)
         return self.steps.run(padded)[:num_rows]
 
+    @torch.no_grad()
     def _step(self, batch_size: int) -> torch.Tensor:
         view = self.inputs.view(batch_size)
         seq_lens_cpu = self._seq_lens_cpu if not self.use_graphs else [1] * batch_size
@@ -263,7 +267,7 @@ class SharedLayerGraphs:
             positions=view["positions"],
             req_pool_indices=view["req_pool_indices"],
             seq_lens=view["seq_lens"],
-            extend_prefix_lens=view["positions"],
+            extend_prefix_lens=view["positions"],  # a row at position p has p tokens before it
             extend_seq_lens=torch.ones_like(view["seq_lens"]),
             out_cache_loc=torch.zeros_like(view["positions"]),  # unused: the shared layers write no KV
             logits_rows=torch.arange(batch_size, device=self.inputs.device),

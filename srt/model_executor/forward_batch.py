@@ -58,6 +58,12 @@ class ForwardBatch:
     logits_rows_cpu: list[int] = field(default_factory=list)
     attn_metadata: Any = None  # built by the attention backend's init_forward_metadata
 
+    def __post_init__(self) -> None:
+        # the model decides "every row needed?" from the host list: it must describe the device one
+        if len(self.logits_rows_cpu) != len(self.logits_rows):
+            rows, host_rows = len(self.logits_rows), len(self.logits_rows_cpu)
+            raise ValueError(f"logits_rows_cpu has {host_rows} rows, logits_rows {rows}")
+
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)

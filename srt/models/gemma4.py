@@ -66,8 +66,8 @@ class ScaledEmbedding(nn.Embedding):
 def stack_linears(*linears: nn.Linear) -> nn.Linear:
     """One bias-free Linear whose output is the given Linears' outputs side by side (one matmul, not several)."""
     weight = torch.cat([linear.weight for linear in linears])
-    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
-    stacked.weight.copy_(weight)
+    stacked = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")  # no init work
+    stacked.weight = nn.Parameter(weight)
     return stacked
 
 

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from srt.layers.graph_mode import in_cuda_graph_step
 from srt.layers.moe.fused_routing import triton_runs_on
 
 try:
@@ -149,10 +150,10 @@ GROUPED_MM_MAX_TOKENS = 1024
 def default_backend(hidden: torch.Tensor) -> str | None:
     """The fastest backend that runs on `hidden` [tokens, hidden], or None: only the torch loop runs.
 
-    Eager, grouped_mm's fewer launches win below GROUPED_MM_MAX_TOKENS; inside a CUDA graph (decode) launches
-    cost nothing and triton's kernels are the faster ones at every size (docs/benchmarks.md).
+    Eager, grouped_mm's fewer launches win below GROUPED_MM_MAX_TOKENS; in a CUDA-graph step (decode)
+    launches cost nothing and triton's kernels are the faster ones at every size (docs/benchmarks.md).
     """
-    eager_small = hidden.shape[0] < GROUPED_MM_MAX_TOKENS and not torch.cuda.is_current_stream_capturing()
+    eager_small = hidden.shape[0] < GROUPED_MM_MAX_TOKENS and not (hidden.is_cuda and in_cuda_graph_step())
     if grouped_mm_supported(hidden) and (eager_small or not triton_supported(hidden)):
         return "grouped_mm"
     if triton_supported(hidden):
