@@ -129,7 +129,65 @@ class CapturedSteps(Generic[StepOutput]):
         )
 
 
-class DecodeGraphs:
+class _OneRowPerRequestSteps:
+    """What both runners share: static per-row inputs, the captured steps, and the decode-shaped batch a step
+    runs (one row per request, so the attention backends take their one-row-per-request path)."""
+
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: HybridKVPool,
+        batch_sizes: list[int],
+        use_graphs: bool,
+    ) -> None:
+        self.backend = backend
+        self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
+        self.use_graphs = use_graphs
+        self.inputs = StaticInputs(max(batch_sizes), kv_pool.device)
+        self.inputs.add("positions", (), torch.int64, 0)
+        self.inputs.add("req_pool_indices", (), torch.int64, req_to_token_pool.padding_row)
+        self.inputs.add("seq_lens", (), torch.int64, 1)
+        self._seq_lens_cpu: list[int] | None = None  # the running batch's, for eager steps (torch_native)
+
+    def _capture(self, batch_sizes: list[int], pool: tuple | None, name: str) -> None:
+        """Call once every input is added: capturing reads them."""
+        self.steps = CapturedSteps(self._step, batch_sizes, self.use_graphs, pool, name)
+
+    def _step(self, batch_size: int) -> object:
+        raise NotImplementedError
+
+    def _run(self, values: dict[str, torch.Tensor | None], num_rows: int, seq_lens_cpu: list[int]) -> object:
+        """Load a batch's rows (padded to the next captured size) and run that size's step."""
+        padded = self.steps.padded_size(num_rows)
+        self.inputs.load(values, num_rows, padded)
+        self._seq_lens_cpu = seq_lens_cpu + [1] * (padded - num_rows)
+        return self.steps.run(padded)
+
+    def _batch(self, batch_size: int, input_ids: torch.Tensor, out_cache_loc: torch.Tensor) -> ForwardBatch:
+        view = self.inputs.view(batch_size)
+        # host lists describe the padded batch only in eager runs; the captured kernels never read them
+        seq_lens_cpu = self._seq_lens_cpu if not self.use_graphs else [1] * batch_size
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=input_ids,
+            positions=view["positions"],
+            req_pool_indices=view["req_pool_indices"],
+            seq_lens=view["seq_lens"],
+            extend_prefix_lens=view["positions"],  # a row at position p has p tokens before it
+            extend_seq_lens=torch.ones_like(view["seq_lens"]),
+            out_cache_loc=out_cache_loc,
+            logits_rows=torch.arange(batch_size, device=self.inputs.device),
+            req_to_token_pool=self.req_to_token_pool,
+            kv_pool=self.kv_pool,
+            seq_lens_cpu=seq_lens_cpu,
+            extend_prefix_lens_cpu=[n - 1 for n in seq_lens_cpu],
+            extend_seq_lens_cpu=[1] * batch_size,
+            logits_rows_cpu=list(range(batch_size)),
+        )
+
+
+class DecodeGraphs(_OneRowPerRequestSteps):
     """The whole model's decode step (logits included), captured per batch size."""
 
     def __init__(
@@ -142,20 +200,11 @@ class DecodeGraphs:
         use_graphs: bool,
         pool: tuple | None = None,
     ) -> None:
-        self.model, self.backend = model, backend
-        self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
-        self.inputs = StaticInputs(max(batch_sizes), kv_pool.device)
-        for name, padding in (
-            ("input_ids", 0),
-            ("positions", 0),
-            ("req_pool_indices", req_to_token_pool.padding_row),
-            ("seq_lens", 1),
-            ("out_cache_loc", 0),
-        ):
-            self.inputs.add(name, (), torch.int64, padding)
-        self.use_graphs = use_graphs
-        self._seq_lens_cpu: list[int] | None = None  # the running batch's, for eager steps (torch_native)
-        self.steps = CapturedSteps(self._step, batch_sizes, use_graphs, pool, "decode")
+        super().__init__(backend, req_to_token_pool, kv_pool, batch_sizes, use_graphs)
+        self.model = model
+        self.inputs.add("input_ids", (), torch.int64, 0)
+        self.inputs.add("out_cache_loc", (), torch.int64, 0)
+        self._capture(batch_sizes, pool, "decode")
 
     def can_run(self, batch: ForwardBatch) -> bool:
         return (
@@ -166,39 +215,16 @@ class DecodeGraphs:
 
     def __call__(self, batch: ForwardBatch) -> LogitsOutput:
         """Logits of every row of a decode batch; KV of its tokens is written to the pools."""
-        num_rows = batch.batch_size
-        padded = self.steps.padded_size(num_rows)
-        names = ("input_ids", "positions", "req_pool_indices", "seq_lens", "out_cache_loc")
-        self.inputs.load({name: getattr(batch, name) for name in names}, num_rows, padded)
-        self._seq_lens_cpu = batch.seq_lens_cpu + [1] * (padded - num_rows)
-        out = self.steps.run(padded)
-        return LogitsOutput(out.logits[:num_rows], out.hidden_states[:num_rows], 0)
+        values = {name: getattr(batch, name) for name in self.inputs.buffers}
+        out = self._run(values, batch.batch_size, batch.seq_lens_cpu)
+        return LogitsOutput(out.logits[: batch.batch_size], out.hidden_states[: batch.batch_size], 0)
 
     def _step(self, batch_size: int) -> LogitsOutput:
         view = self.inputs.view(batch_size)
-        seq_lens_cpu = self._seq_lens_cpu if not self.use_graphs else [1] * batch_size
-        batch = ForwardBatch(
-            mode=ForwardMode.DECODE,
-            input_ids=view["input_ids"],
-            positions=view["positions"],
-            req_pool_indices=view["req_pool_indices"],
-            seq_lens=view["seq_lens"],
-            extend_prefix_lens=view["seq_lens"] - 1,
-            extend_seq_lens=torch.ones_like(view["seq_lens"]),
-            out_cache_loc=view["out_cache_loc"],
-            logits_rows=torch.arange(batch_size, device=self.inputs.device),
-            req_to_token_pool=self.req_to_token_pool,
-            kv_pool=self.kv_pool,
-            # host lists describe the padded batch only in eager runs; the captured kernels never read them
-            seq_lens_cpu=seq_lens_cpu,
-            extend_prefix_lens_cpu=[n - 1 for n in seq_lens_cpu],
-            extend_seq_lens_cpu=[1] * batch_size,
-            logits_rows_cpu=list(range(batch_size)),
-        )
-        return self.model(batch, self.backend)
+        return self.model(self._batch(batch_size, view["input_ids"], view["out_cache_loc"]), self.backend)
 
 
-class SharedLayerGraphs:
+class SharedLayerGraphs(_OneRowPerRequestSteps):
     """YOCO's second part (`Gemma4TextModel.run_shared_layers`) for one logits row per request, per row count.
 
     The KV-shared layers write no KV, so their inputs are the rows' hidden states and per-layer inputs plus
@@ -215,20 +241,13 @@ class SharedLayerGraphs:
         use_graphs: bool,
         pool: tuple | None = None,
     ) -> None:
-        self.text_model, self.backend = text_model, backend
-        self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
-        config = text_model.config
+        super().__init__(backend, req_to_token_pool, kv_pool, batch_sizes, use_graphs)
+        self.text_model = text_model
         dtype = text_model.embed_tokens.weight.dtype
-        self.inputs = StaticInputs(max(batch_sizes), kv_pool.device)
-        self.inputs.add("hidden", (config.hidden_size,), dtype, 0.0)
+        self.inputs.add("hidden", (text_model.config.hidden_size,), dtype, 0.0)
         if text_model.ple_dim:
-            self.inputs.add("per_layer", (config.num_layers, text_model.ple_dim), dtype, 0.0)
-        self.inputs.add("positions", (), torch.int64, 0)
-        self.inputs.add("req_pool_indices", (), torch.int64, req_to_token_pool.padding_row)
-        self.inputs.add("seq_lens", (), torch.int64, 1)
-        self.use_graphs = use_graphs
-        self._seq_lens_cpu: list[int] | None = None
-        self.steps = CapturedSteps(self._step, batch_sizes, use_graphs, pool, "the KV-shared layers")
+            self.inputs.add("per_layer", (text_model.config.num_layers, text_model.ple_dim), dtype, 0.0)
+        self._capture(batch_sizes, pool, "the KV-shared layers")
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """`batch` is a YOCO row subset: it fits when every request has at most one row."""
@@ -238,8 +257,6 @@ class SharedLayerGraphs:
         self, hidden: torch.Tensor, per_layer: torch.Tensor | None, batch: ForwardBatch
     ) -> torch.Tensor:
         """Final-norm hidden states of the rows of `batch` (each request's only row, if it has one)."""
-        num_rows = batch.num_tokens
-        padded = self.steps.padded_size(num_rows)
         with_rows = [i for i, n in enumerate(batch.extend_seq_lens_cpu) if n]
         req_pool_indices, seq_lens = batch.req_pool_indices, batch.seq_lens
         if len(with_rows) < batch.batch_size:  # requests whose chunk needs no logits have no row here
@@ -252,31 +269,14 @@ class SharedLayerGraphs:
             "req_pool_indices": req_pool_indices,
             "seq_lens": seq_lens,
         }
-        self.inputs.load(values, num_rows, padded)
-        self._seq_lens_cpu = [batch.seq_lens_cpu[i] for i in with_rows] + [1] * (padded - num_rows)
-        return self.steps.run(padded)[:num_rows]
+        seq_lens_cpu = [batch.seq_lens_cpu[i] for i in with_rows]
+        return self._run(values, batch.num_tokens, seq_lens_cpu)[: batch.num_tokens]
 
     @torch.no_grad()
     def _step(self, batch_size: int) -> torch.Tensor:
         view = self.inputs.view(batch_size)
-        seq_lens_cpu = self._seq_lens_cpu if not self.use_graphs else [1] * batch_size
-        # a decode-shaped batch: one row per request, so the backends take their one-row-per-request path
-        batch = ForwardBatch(
-            mode=ForwardMode.DECODE,
-            input_ids=view["positions"],  # unused: the shared layers start from hidden states
-            positions=view["positions"],
-            req_pool_indices=view["req_pool_indices"],
-            seq_lens=view["seq_lens"],
-            extend_prefix_lens=view["positions"],  # a row at position p has p tokens before it
-            extend_seq_lens=torch.ones_like(view["seq_lens"]),
-            out_cache_loc=torch.zeros_like(view["positions"]),  # unused: the shared layers write no KV
-            logits_rows=torch.arange(batch_size, device=self.inputs.device),
-            req_to_token_pool=self.req_to_token_pool,
-            kv_pool=self.kv_pool,
-            seq_lens_cpu=seq_lens_cpu,
-            extend_prefix_lens_cpu=[n - 1 for n in seq_lens_cpu],
-            extend_seq_lens_cpu=[1] * batch_size,
-            logits_rows_cpu=list(range(batch_size)),
-        )
+        positions = view["positions"]
+        # input ids and KV slots are unused: the shared layers start from hidden states and write no KV
+        batch = self._batch(batch_size, positions, torch.zeros_like(positions))
         self.backend.init_forward_metadata(batch)
         return self.text_model.run_shared_layers(view["hidden"], view.get("per_layer"), batch, self.backend)
