@@ -38,6 +38,13 @@ def test_token_allocator_integrity_catches_a_double_free() -> None:
         alloc.check_integrity()
 
 
+def test_token_allocator_integrity_catches_a_slot_out_of_range() -> None:
+    alloc = TokenSlotAllocator(4)
+    alloc.free(torch.tensor([0]))  # slot 0 is padding: never on the free list
+    with pytest.raises(AssertionError, match="out of range"):
+        alloc.check_integrity()
+
+
 def test_swa_allocator_maps_each_full_slot_to_its_own_swa_slot() -> None:
     alloc = SWATokenAllocator(full_size=8, swa_size=4)
     full = alloc.alloc(3)
@@ -80,6 +87,17 @@ def test_req_to_token_pool_rows() -> None:
     with pytest.raises(ValueError, match="not in use"):
         pool.free(row)
     pool.check_integrity()
+
+
+def test_req_to_token_pool_decode_write_and_padding_row() -> None:
+    pool = ReqToTokenPool(max_requests=2, max_context=8)
+    assert pool.padding_row == 2 and pool.req_to_token.shape == (3, 8)  # never handed out
+    pool.write_one_each([1, 0], [3, 5], torch.tensor([11, 12]))
+    assert pool.req_to_token[1, 3] == 11 and pool.req_to_token[0, 5] == 12
+    pool.check_integrity()
+    pool.req_to_token[pool.padding_row, 0] = 4  # CUDA-graph padding rows would read real KV through it
+    with pytest.raises(AssertionError, match="padding row"):
+        pool.check_integrity()
 
 
 def test_window_freeing_keeps_exactly_what_the_next_query_reads() -> None:

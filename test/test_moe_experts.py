@@ -236,3 +236,13 @@ def test_gpu_tiny_26b_fused_vs_reference(tiny_checkpoint, experts_backend: str) 
     reference_error = relative_error(results["reference", "bfloat16"].step_logits[0], exact)
     print(f"{experts_backend} bf16 prefill logits vs float32: fused {fused_error:.2e}, reference {reference_error:.2e}")
     assert fused_error < max(3e-2, 2 * reference_error)
+
+
+def test_default_backend_of_cpu_rows_ignores_graph_steps() -> None:
+    """A graph step changes the choice only on CUDA; on CPU-only torch builds asking CUDA would raise."""
+    from srt.layers.graph_mode import cuda_graph_step
+
+    hidden = torch.zeros(3, 8)
+    eager = fe.default_backend(hidden)
+    with cuda_graph_step():
+        assert fe.default_backend(hidden) == eager

@@ -9,6 +9,7 @@ logits rows until the last), prompt logprobs (every row from the logprob start),
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -271,3 +272,21 @@ def test_select_rows_lays_out_the_subset(tiny_checkpoint, monkeypatch) -> None:
         batch.select_rows([3, 2])
     with pytest.raises(ValueError, match="ascending"):
         batch.select_rows([10])
+
+
+def test_forward_batch_host_logits_rows_must_match_the_device_ones(tiny_checkpoint, monkeypatch) -> None:
+    """The model reads "is every row needed?" from the host list; a batch whose two lists disagree is refused."""
+    runner = build_runner(tiny_checkpoint("tiny-gemma-4-E4B-it"), monkeypatch, True)
+    batch = ForwardBatch.build(
+        mode=ForwardMode.EXTEND,
+        new_token_ids=[[11, 12, 13]],
+        prefix_lens=[0],
+        req_pool_indices=[0],
+        out_cache_loc=torch.arange(1, 4),
+        logits_rows=[2],
+        req_to_token_pool=runner.req_to_token_pool,
+        kv_pool=runner.kv_pool,
+    )
+    assert batch.logits_rows_cpu == [2]
+    with pytest.raises(ValueError, match="logits_rows_cpu has 0 rows, logits_rows 1"):
+        dataclasses.replace(batch, logits_rows_cpu=[])
