@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 from srt.layers.fused_kernels import (  # noqa: E402
     add_rms_norm,
     add_rms_norm_reference,
+    add_rms_norm_then_norm,
     gelu_tanh_mul,
     gelu_tanh_mul_packed,
     gelu_tanh_mul_reference,
@@ -178,6 +179,29 @@ def test_add_rms_norm_kernel(tokens: int, hidden: int, with_weight: bool, with_s
     magnitude = (residual.float().abs() + normed.abs()) * (1 if scale is None else scale.float().abs())
     assert_within_ulps(got, expected, magnitude, 1)
     assert (got == expected).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_then_norm_kernel(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(3)
+    hidden = 96
+    x = (3 * torch.randn(3, hidden, generator=generator)).to(DEVICE, dtype)
+    residual = torch.randn(3, hidden, generator=generator).to(DEVICE, dtype)
+    weight, next_weight = (random_weight(hidden, generator).to(DEVICE, dtype) for _ in range(2))
+    summed, normed = add_rms_norm_then_norm(x, residual, weight, EPS, next_weight, 1e-5, use_triton=True)
+    assert torch.equal(summed, add_rms_norm(x, residual, weight, EPS, use_triton=True))
+    next_norm = RMSNorm(hidden, eps=1e-5).to(DEVICE, dtype)
+    next_norm.weight.data = next_weight
+    with torch.no_grad():
+        expected = next_norm.reference(summed)
+    if dtype == torch.float32:
+        torch.testing.assert_close(normed, expected, rtol=1e-5, atol=1e-5)
+    else:  # the same rounded sum goes in; float32 noise may flip the last bit of the rounded output
+        assert_within_ulps(normed, expected, expected, 1)
+    # the CPU default (reference) path returns the same pair shape
+    ref_summed, ref_normed = add_rms_norm_then_norm(x.cpu(), residual.cpu(), weight.cpu(), EPS, next_weight.cpu(), 1e-5)
+    assert torch.equal(ref_summed, add_rms_norm_reference(x.cpu(), residual.cpu(), weight.cpu(), EPS))
+    assert torch.equal(ref_normed, next_norm.cpu().reference(ref_summed))
 
 
 def test_add_rms_norm_float32_scale_keeps_the_dtype() -> None:

@@ -44,9 +44,11 @@ def load_reference(path, dtype: torch.dtype) -> ReferenceModel:
     ).eval()
 
 
-def compare_with_reference(path, dtype: torch.dtype, dtype_name: str) -> tuple[float, ModelRunner]:
+def compare_with_reference(
+    path, dtype: torch.dtype, dtype_name: str, device: str = "cpu"
+) -> tuple[float, ModelRunner]:
     """Greedy tokens must be identical at every step; returns the worst relative logit error."""
-    runner = ModelRunner(ServerArgs(model_path=str(path), device="cpu", dtype=dtype_name))
+    runner = ModelRunner(ServerArgs(model_path=str(path), device=device, dtype=dtype_name))
     reference = load_reference(path, dtype)
     prompts = random_prompts(runner.model_config.vocab_size)
     result = generate_greedy(runner, prompts, DECODE_STEPS)
@@ -84,6 +86,18 @@ def test_greedy_tokens_and_logits_match_transformers_fp32(tiny_checkpoint, varia
     allocator.check_integrity()
     assert allocator.full.available() == allocator.full_size
     assert allocator.swa.available() == allocator.swa_size
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_paths_match_transformers_fp32(tiny_checkpoint, variant: str) -> None:
+    """The GPU defaults (triton attention, fused kernels, CUDA-graph decode, MoE kernels) against transformers
+    on the CPU. 1e-3: GPU kernels sum in other orders than the CPU reference, which moves float32 logits by
+    more than the CPU-vs-CPU bound."""
+    worst, runner = compare_with_reference(tiny_checkpoint(variant), torch.float32, "float32", device="cuda")
+    print(f"{variant} float32 on GPU: max relative logit error {worst:.2e}")
+    assert worst < 1e-3
+    runner.token_allocator.check_integrity()
 
 
 @pytest.mark.parametrize("variant", ["tiny-gemma-4-E4B-it", "tiny-gemma-4-26B-A4B-it"])

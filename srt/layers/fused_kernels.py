@@ -90,35 +90,49 @@ def _round(x, DTYPE: tl.constexpr):
 
 
 @_jit
+def _norm_rope_head(
+    x_row, weight_ptr, cos_row, sin_row, eps, dtype: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr,
+):  # fmt: skip
+    """One head's RMSNorm (rounded to `dtype`, as RMSNorm returns it), then RoPE in float32 rounded once;
+    float32 values of `dtype`. rotate_half pairs column c with (c + HEAD_DIM/2) % HEAD_DIM, loaded a second
+    time (an L1 hit) rather than shuffled in registers."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    cols = tl.arange(0, HEAD_DIM)
+    partner = (cols + HALF) % HEAD_DIM
+    x = tl.load(x_row + cols).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+    y = x * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(weight_ptr + cols).to(tl.float32)
+    y = _round(y, dtype)
+    if ROPE:
+        y_partner = tl.load(x_row + partner).to(tl.float32) * rstd
+        if HAS_WEIGHT:
+            y_partner = y_partner * tl.load(weight_ptr + partner).to(tl.float32)
+        y_partner = _round(y_partner, dtype)
+        rotated = tl.where(cols < HALF, -y_partner, y_partner)
+        cos = tl.load(cos_row + cols).to(tl.float32)
+        sin = tl.load(sin_row + cols).to(tl.float32)
+        y = _round(y * cos + rotated * sin, dtype)
+    return y
+
+
+@_jit
 def _rms_norm_rope_kernel(
     x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr,
     stride_x_tok, stride_x_head, stride_cos_tok, stride_sin_tok, stride_out_tok, stride_out_head, eps,
     HEAD_DIM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
 ):  # fmt: skip
-    # one program per (token, head); rotate_half pairs column c with (c + HEAD_DIM/2) % HEAD_DIM, loaded a
-    # second time (an L1 hit) rather than shuffled in registers
+    # one program per (token, head)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    HALF: tl.constexpr = HEAD_DIM // 2
-    cols = tl.arange(0, HEAD_DIM)
-    partner = (cols + HALF) % HEAD_DIM
-    x_row = x_ptr + tok * stride_x_tok + head * stride_x_head
-    x = tl.load(x_row + cols).to(tl.float32)
-    x_partner = tl.load(x_row + partner).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
-    y = x * rstd
-    y_partner = x_partner * rstd
-    if HAS_WEIGHT:
-        y = y * tl.load(weight_ptr + cols).to(tl.float32)
-        y_partner = y_partner * tl.load(weight_ptr + partner).to(tl.float32)
-    # the norm's output is rounded to x's dtype, as RMSNorm returns it; RoPE then runs in float32
     dtype = out_ptr.dtype.element_ty
-    y = _round(y, dtype)
-    y_partner = _round(y_partner, dtype)
-    rotated = tl.where(cols < HALF, -y_partner, y_partner)
-    cos = tl.load(cos_ptr + tok * stride_cos_tok + cols).to(tl.float32)
-    sin = tl.load(sin_ptr + tok * stride_sin_tok + cols).to(tl.float32)
-    out = _round(y * cos + rotated * sin, dtype)
+    out = _norm_rope_head(
+        x_ptr + tok * stride_x_tok + head * stride_x_head, weight_ptr, cos_ptr + tok * stride_cos_tok,
+        sin_ptr + tok * stride_sin_tok, eps, dtype, HEAD_DIM, HAS_WEIGHT, True,
+    )  # fmt: skip
+    cols = tl.arange(0, HEAD_DIM)
     tl.store(out_ptr + tok * stride_out_tok + head * stride_out_head + cols, out.to(dtype))
 
 
@@ -169,9 +183,9 @@ def rms_norm_rope(
 
 @_jit
 def _add_rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, scale_ptr, out_ptr,
-    stride_x, stride_residual, stride_out, n_cols, eps,
-    HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, residual_ptr, weight_ptr, scale_ptr, out_ptr, next_weight_ptr, next_out_ptr,
+    stride_x, stride_residual, stride_out, stride_next_out, n_cols, eps, next_eps,
+    HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, NEXT_NORM: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -189,6 +203,10 @@ def _add_rms_norm_kernel(
     if HAS_SCALE:
         out = _round(out * tl.load(scale_ptr).to(tl.float32), dtype)
     tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)
+    if NEXT_NORM:  # the next RMSNorm of the new residual stream, from the rounded sum still in registers
+        next_rstd = 1.0 / tl.sqrt(tl.sum(out * out, axis=0) / n_cols + next_eps)
+        next_normed = out * next_rstd * tl.load(next_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(next_out_ptr + row * stride_next_out + cols, next_normed.to(dtype), mask=mask)
 
 
 def add_rms_norm_reference(
@@ -223,22 +241,53 @@ def add_rms_norm(
     None. scale: a 1-element tensor (the layer scalar, read on the device: graph-safe) or None. The norm
     output, the sum and the scaled sum are each rounded to the dtype, as the op-by-op torch code rounds them.
     """
+    return _add_rms_norm(x, residual, weight, eps, scale, None, 0.0, use_triton)[0]
+
+
+def add_rms_norm_then_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    next_weight: torch.Tensor,
+    next_eps: float,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm` (no scale) and the next RMSNorm (weight `next_weight`) of its result, in one kernel:
+    (summed, RMSNorm(summed)). E.g. the post-attention norm + residual add, then the pre-feedforward norm."""
+    summed, normed = _add_rms_norm(x, residual, weight, eps, None, next_weight, next_eps, use_triton)
+    return summed, normed
+
+
+def _add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    scale: torch.Tensor | None,
+    next_weight: torch.Tensor | None,
+    next_eps: float,
+    use_triton: bool | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"add_rms_norm: x {x.dtype}{list(x.shape)} vs residual {residual.dtype}{list(residual.shape)}")
     if not _runs_triton(x.device, use_triton, _add_rms_norm_kernel):
-        return add_rms_norm_reference(x, residual, weight, eps, scale)
+        summed = add_rms_norm_reference(x, residual, weight, eps, scale)
+        return summed, None if next_weight is None else _rms_norm_reference(summed, next_weight, next_eps)
     x, residual = _last_dim_contiguous(x), _last_dim_contiguous(residual)
     tokens, hidden = x.shape
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+    next_out = None if next_weight is None else torch.empty_like(out)
     if tokens:
         block = triton.next_power_of_2(hidden)
         _add_rms_norm_kernel[(tokens,)](
             x, residual, weight if weight is not None else x, scale if scale is not None else x, out,
-            x.stride(0), residual.stride(0), out.stride(0), hidden, eps,
-            HAS_WEIGHT=weight is not None, HAS_SCALE=scale is not None, BLOCK=block,
-            num_warps=min(16, max(1, block // 256)),
+            next_weight if next_weight is not None else x, next_out if next_out is not None else out,
+            x.stride(0), residual.stride(0), out.stride(0), out.stride(0), hidden, eps, next_eps,  # next_out: as out
+            HAS_WEIGHT=weight is not None, HAS_SCALE=scale is not None, NEXT_NORM=next_weight is not None,
+            BLOCK=block, num_warps=min(16, max(1, block // 256)),
         )  # fmt: skip
-    return out
+    return out, next_out
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -9,11 +9,29 @@ slots; sliding layers by SWA-pool slots, reached through the allocator's `full_t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from srt.configs.model_config import AttentionLayerSpec
 from srt.mem_cache.allocator import SWATokenAllocator, check_indices, debug_kv_indices
+
+
+@dataclass(frozen=True)
+class KVCacheTarget:
+    """Where a layer's new K/V go, for kernels that write them themselves: the layer's buffers and, on
+    sliding layers, the full -> SWA slot table that maps a token's full slot to its buffer row."""
+
+    k_buffer: torch.Tensor  # [rows, kv_heads, head_dim]
+    v_buffer: torch.Tensor
+    full_to_swa: torch.Tensor | None  # None on full-attention layers: their rows are the full slots
+
+    def rows(self, full_slots: torch.Tensor) -> torch.Tensor:
+        """Buffer rows of the tokens with these full slots (checked under SRT_DEBUG_KV_INDICES=1)."""
+        rows = full_slots if self.full_to_swa is None else self.full_to_swa[full_slots]
+        if debug_kv_indices():
+            check_indices(rows, self.k_buffer.shape[0] - 1, "swa" if self.full_to_swa is not None else "full")
+        return rows
 
 
 class HybridKVPool:
@@ -46,6 +64,13 @@ class HybridKVPool:
         """The (K, V) buffers layer `layer_id` reads: its own, or its owner's for a KV-shared layer."""
         owner = self.layers[layer_id].kv_owner
         return self._k[owner], self._v[owner]
+
+    def cache_target(self, layer_id: int) -> KVCacheTarget:
+        """The buffers and slot table a KV-owning layer's fused kernel writes new K/V through."""
+        if not self.layers[layer_id].owns_kv:
+            raise ValueError(f"layer {layer_id} shares KV of layer {self.layers[layer_id].kv_owner}")
+        sliding = self.layers[layer_id].is_sliding
+        return KVCacheTarget(self._k[layer_id], self._v[layer_id], self.allocator.full_to_swa if sliding else None)
 
     def layer_slots(self, layer_id: int, full_slots: torch.Tensor) -> torch.Tensor:
         """Rows of the layer's buffers holding the tokens with these full-pool slots."""

@@ -30,11 +30,18 @@ from torch import nn
 
 from srt.configs.model_config import AttentionLayerSpec, ModelConfig
 from srt.layers.attention.base import AttentionBackend
-from srt.layers.fused_kernels import add_rms_norm, gelu_tanh_mul, gelu_tanh_mul_packed, rms_norm_rope
+from srt.layers.fused_kernels import (
+    add_rms_norm,
+    add_rms_norm_then_norm,
+    gelu_tanh_mul,
+    gelu_tanh_mul_packed,
+    rms_norm_rope,
+)
 from srt.layers.layernorm import RMSNorm
 from srt.layers.logits_processor import LogitsOutput, compute_logits
 from srt.layers.moe.experts import Experts
 from srt.layers.moe.router import Router
+from srt.layers.qkv_norm_rope_store import QKVLayout, qkv_norm_rope_store
 from srt.layers.rotary import RotaryEmbedding
 from srt.model_executor.forward_batch import ForwardBatch
 
@@ -85,14 +92,13 @@ class Gemma4Attention(nn.Module):
         self.q_proj = nn.Linear(hidden_size, heads * dim, bias=False)
         self.q_norm = RMSNorm(dim, eps=eps)
         self.qkv_proj: nn.Linear | None = None
-        self.proj_sizes = [heads * dim]
         if spec.owns_kv:
             self.k_proj = nn.Linear(hidden_size, kv_heads * dim, bias=False)
             # k_eq_v layers (full layers of 26B/31B) take V from the K projection before its norm and RoPE
             self.v_proj = None if spec.k_eq_v else nn.Linear(hidden_size, kv_heads * dim, bias=False)
             self.k_norm = RMSNorm(dim, eps=eps)
             self.v_norm = RMSNorm(dim, eps=eps, with_scale=False)
-            self.proj_sizes += [kv_heads * dim] * (1 if spec.k_eq_v else 2)
+            self.layout = QKVLayout(heads, kv_heads, dim, spec.k_eq_v)
         self.o_proj = nn.Linear(heads * dim, hidden_size, bias=False)
 
     def fuse_projections(self) -> None:
@@ -115,12 +121,19 @@ class Gemma4Attention(nn.Module):
             return self.o_proj(out.reshape(tokens, -1))
         if self.qkv_proj is None:
             raise RuntimeError("Gemma4Attention runs after fuse_projections() (load_model calls it)")
-        q_raw, k_raw, *v_part = self.qkv_proj(hidden).split(self.proj_sizes, dim=-1)
-        q = self._norm_rope(self.q_norm, q_raw.view(tokens, -1, dim), cos, sin)
-        k_raw = k_raw.view(tokens, -1, dim)
-        v_raw = v_part[0].view(tokens, -1, dim) if v_part else k_raw
-        k = self._norm_rope(self.k_norm, k_raw, cos, sin)
-        out = backend.forward(q, k, self.v_norm(v_raw), self.spec, batch)
+        # norms, RoPE and the K/V cache write in one kernel on GPU; the attention then reads the cache only
+        q = qkv_norm_rope_store(
+            self.qkv_proj(hidden),
+            self.layout,
+            self.q_norm,
+            self.k_norm,
+            self.v_norm,
+            cos,
+            sin,
+            batch.kv_pool.cache_target(self.spec.layer_id),
+            batch.out_cache_loc,
+        )
+        out = backend.forward(q, None, None, self.spec, batch, save_kv=False)
         return self.o_proj(out.reshape(tokens, -1))
 
     @staticmethod
@@ -187,10 +200,12 @@ class Gemma4DecoderLayer(nn.Module):
         backend: AttentionBackend,
     ) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(hidden), cos_sin, batch, backend)
-        hidden = add_norm(self.post_attention_layernorm, attn, hidden)
+        hidden, mlp_input = add_norm_then_norm(
+            self.post_attention_layernorm, attn, hidden, self.pre_feedforward_layernorm
+        )
 
         residual = hidden
-        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
+        mlp_out = self.mlp(mlp_input)
         if self.has_moe:
             # the router and the experts see the residual stream, not the dense MLP's input norm
             routing = self.router(residual)
@@ -208,11 +223,17 @@ class Gemma4DecoderLayer(nn.Module):
         return hidden
 
 
-def add_norm(
-    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor | None = None
-) -> torch.Tensor:
+def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """(residual + norm(x)) * scale in one fused kernel on GPU."""
     return add_rms_norm(x, residual, norm.weight if norm.with_scale else None, norm.eps, scale)
+
+
+def add_norm_then_norm(
+    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + norm(x), next_norm(residual + norm(x))) in one fused kernel on GPU."""
+    weight = norm.weight if norm.with_scale else None
+    return add_rms_norm_then_norm(x, residual, weight, norm.eps, next_norm.weight, next_norm.eps)
 
 
 class TextModelOutput(NamedTuple):

@@ -1,0 +1,134 @@
+"""The fused q/k/v norm + RoPE + K/V store kernel against its op-by-op reference.
+
+On the CPU the kernel runs under Triton's interpreter (TRITON_INTERPRET=1 from conftest) at tiny sizes; the
+`gpu` test runs Gemma 4 E4B and 31B layer sizes. The kernel rounds where the reference rounds (see
+srt/layers/fused_kernels.py), so float32 agrees to float32 noise and bf16 to a bf16 ulp now and then.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from srt.layers.layernorm import RMSNorm  # noqa: E402
+from srt.layers.qkv_norm_rope_store import QKVLayout, qkv_norm_rope_store, qkv_norm_rope_store_reference  # noqa: E402
+from srt.mem_cache.kv_pool import KVCacheTarget  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _norms(dim: int, generator: torch.Generator) -> tuple[RMSNorm, RMSNorm, RMSNorm]:
+    q_norm, k_norm = RMSNorm(dim, eps=1e-6), RMSNorm(dim, eps=1e-5)
+    with torch.no_grad():
+        q_norm.weight.copy_(1 + 0.3 * torch.randn(dim, generator=generator))
+        k_norm.weight.copy_(1 + 0.3 * torch.randn(dim, generator=generator))
+    return q_norm.to(DEVICE), k_norm.to(DEVICE), RMSNorm(dim, eps=1e-6, with_scale=False)
+
+
+def _cos_sin(tokens: int, dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.arange(tokens, dtype=torch.float32) * 37 + 5
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    freqs = positions[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(DEVICE, dtype), emb.sin().to(DEVICE, dtype)
+
+
+def _target(rows: int, layout: QKVLayout, dtype: torch.dtype, sliding: bool) -> KVCacheTarget:
+    shape = (rows, layout.num_kv_heads, layout.head_dim)
+    # a recognisable fill, so that a write to the wrong row shows
+    k_buffer = torch.full(shape, 7.0, dtype=dtype, device=DEVICE)
+    v_buffer = torch.full(shape, -7.0, dtype=dtype, device=DEVICE)
+    # full slot s -> SWA row (s * 5) % rows, a permutation that is not the identity
+    full_to_swa = (torch.arange(rows, device=DEVICE) * 5) % rows if sliding else None
+    return KVCacheTarget(k_buffer, v_buffer, full_to_swa)
+
+
+def _run_both(layout: QKVLayout, tokens: int, dtype: torch.dtype, sliding: bool, use_triton: bool | None):
+    generator = torch.Generator().manual_seed(tokens + layout.head_dim)
+    qkv = (3 * torch.randn(tokens, sum(layout.sizes), generator=generator)).to(DEVICE, dtype)
+    norms = _norms(layout.head_dim, generator)
+    cos, sin = _cos_sin(tokens, layout.head_dim, dtype)
+    slots = torch.randperm(17, generator=generator)[:tokens].to(DEVICE) + 1
+    got_target, want_target = _target(19, layout, dtype, sliding), _target(19, layout, dtype, sliding)
+    got = qkv_norm_rope_store(qkv, layout, *norms, cos, sin, got_target, slots, use_triton=use_triton)
+    want = qkv_norm_rope_store_reference(qkv, layout, *norms, cos, sin, want_target, slots)
+    return (got, got_target), (want, want_target)
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # one bf16/fp16 ulp of the value, now and then (float32 noise before the last rounding)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sliding", [False, True])
+@pytest.mark.parametrize("k_eq_v", [False, True])
+def test_kernel_matches_the_op_by_op_path(dtype: torch.dtype, sliding: bool, k_eq_v: bool) -> None:
+    layout = QKVLayout(num_heads=4, num_kv_heads=2, head_dim=16, k_eq_v=k_eq_v)
+    (q, target), (want_q, want_target) = _run_both(layout, 5, dtype, sliding, use_triton=True)
+    _assert_close(q, want_q)
+    # every buffer row, written or not: untouched rows keep their fill
+    _assert_close(target.k_buffer, want_target.k_buffer)
+    _assert_close(target.v_buffer, want_target.v_buffer)
+    assert (target.k_buffer != 7.0).any(dim=(1, 2)).sum() == 5
+
+
+def test_no_tokens_writes_nothing() -> None:
+    layout = QKVLayout(num_heads=2, num_kv_heads=1, head_dim=16, k_eq_v=False)
+    target = _target(4, layout, torch.float32, sliding=False)
+    cos, sin = _cos_sin(0, 16, torch.float32)
+    qkv = torch.empty(0, sum(layout.sizes), device=DEVICE)
+    q = qkv_norm_rope_store(
+        qkv,
+        layout,
+        *_norms(16, torch.Generator()),
+        cos,
+        sin,
+        target,
+        torch.empty(0, dtype=torch.int64, device=DEVICE),
+        use_triton=True,
+    )
+    assert q.shape == (0, 2, 16) and bool((target.k_buffer == 7.0).all())
+
+
+def test_wrong_width_is_refused() -> None:
+    layout = QKVLayout(num_heads=2, num_kv_heads=1, head_dim=16, k_eq_v=False)
+    with pytest.raises(ValueError, match="columns"):
+        qkv_norm_rope_store(
+            torch.zeros(1, 40),
+            layout,
+            *_norms(16, torch.Generator()),
+            *_cos_sin(1, 16, torch.float32),
+            _target(2, layout, torch.float32, False),
+            torch.ones(1, dtype=torch.int64),
+        )
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU default path")
+def test_cpu_default_is_the_reference() -> None:
+    layout = QKVLayout(num_heads=4, num_kv_heads=2, head_dim=16, k_eq_v=False)
+    (q, target), (want_q, want_target) = _run_both(layout, 3, torch.bfloat16, True, use_triton=None)
+    assert torch.equal(q, want_q) and torch.equal(target.k_buffer, want_target.k_buffer)
+    assert torch.equal(target.v_buffer, want_target.v_buffer)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "layout",
+    [
+        QKVLayout(num_heads=8, num_kv_heads=2, head_dim=256, k_eq_v=False),  # E4B sliding
+        QKVLayout(num_heads=8, num_kv_heads=2, head_dim=512, k_eq_v=False),  # E4B full
+        QKVLayout(num_heads=32, num_kv_heads=4, head_dim=512, k_eq_v=True),  # 31B full
+    ],
+)
+@pytest.mark.parametrize("tokens", [1, 17])
+def test_kernel_on_gpu_at_real_sizes(layout: QKVLayout, tokens: int) -> None:
+    for sliding in (False, True):
+        (q, target), (want_q, want_target) = _run_both(layout, tokens, torch.bfloat16, sliding, use_triton=True)
+        _assert_close(q, want_q)
+        _assert_close(target.k_buffer, want_target.k_buffer)
+        _assert_close(target.v_buffer, want_target.v_buffer)
