@@ -181,15 +181,17 @@ def test_add_rms_norm_kernel(tokens: int, hidden: int, with_weight: bool, with_s
     assert (got == expected).float().mean() > 0.9
 
 
+@pytest.mark.parametrize("with_scale", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_add_rms_norm_then_norm_kernel(dtype: torch.dtype) -> None:
+def test_add_rms_norm_then_norm_kernel(dtype: torch.dtype, with_scale: bool) -> None:
     generator = torch.Generator().manual_seed(3)
     hidden = 96
     x = (3 * torch.randn(3, hidden, generator=generator)).to(DEVICE, dtype)
     residual = torch.randn(3, hidden, generator=generator).to(DEVICE, dtype)
     weight, next_weight = (random_weight(hidden, generator).to(DEVICE, dtype) for _ in range(2))
-    summed, normed = add_rms_norm_then_norm(x, residual, weight, EPS, next_weight, 1e-5, use_triton=True)
-    assert torch.equal(summed, add_rms_norm(x, residual, weight, EPS, use_triton=True))
+    scale = torch.tensor([0.37], device=DEVICE).to(dtype) if with_scale else None
+    summed, normed = add_rms_norm_then_norm(x, residual, weight, EPS, next_weight, 1e-5, scale, use_triton=True)
+    assert torch.equal(summed, add_rms_norm(x, residual, weight, EPS, scale, use_triton=True))
     next_norm = RMSNorm(hidden, eps=1e-5).to(DEVICE, dtype)
     next_norm.weight.data = next_weight
     with torch.no_grad():
@@ -198,9 +200,10 @@ def test_add_rms_norm_then_norm_kernel(dtype: torch.dtype) -> None:
         torch.testing.assert_close(normed, expected, rtol=1e-5, atol=1e-5)
     else:  # the same rounded sum goes in; float32 noise may flip the last bit of the rounded output
         assert_within_ulps(normed, expected, expected, 1)
-    # the CPU default (reference) path returns the same pair shape
-    ref_summed, ref_normed = add_rms_norm_then_norm(x.cpu(), residual.cpu(), weight.cpu(), EPS, next_weight.cpu(), 1e-5)
-    assert torch.equal(ref_summed, add_rms_norm_reference(x.cpu(), residual.cpu(), weight.cpu(), EPS))
+    # the reference path (the CPU default) returns the reference pair
+    cpu = [t.cpu() if t is not None else None for t in (x, residual, weight, next_weight, scale)]
+    ref_summed, ref_normed = add_rms_norm_then_norm(cpu[0], cpu[1], cpu[2], EPS, cpu[3], 1e-5, cpu[4])
+    assert torch.equal(ref_summed, add_rms_norm_reference(cpu[0], cpu[1], cpu[2], EPS, cpu[4]))
     assert torch.equal(ref_normed, next_norm.cpu().reference(ref_summed))
 
 

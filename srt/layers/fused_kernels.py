@@ -251,11 +251,12 @@ def add_rms_norm_then_norm(
     eps: float,
     next_weight: torch.Tensor,
     next_eps: float,
+    scale: torch.Tensor | None = None,
     use_triton: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm` (no scale) and the next RMSNorm (weight `next_weight`) of its result, in one kernel:
-    (summed, RMSNorm(summed)). E.g. the post-attention norm + residual add, then the pre-feedforward norm."""
-    summed, normed = _add_rms_norm(x, residual, weight, eps, None, next_weight, next_eps, use_triton)
+    """`add_rms_norm` and the next RMSNorm (weight `next_weight`) of its result, in one kernel:
+    (summed, RMSNorm(summed)). E.g. a layer's last residual add, then the next layer's input norm."""
+    summed, normed = _add_rms_norm(x, residual, weight, eps, scale, next_weight, next_eps, use_triton)
     return summed, normed
 
 

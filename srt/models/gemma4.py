@@ -194,12 +194,16 @@ class Gemma4DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        attn_input: torch.Tensor,
         per_layer_input: torch.Tensor | None,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
         batch: ForwardBatch,
         backend: AttentionBackend,
-    ) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(hidden), cos_sin, batch, backend)
+        next_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(new hidden, next_norm(new hidden) or None). `attn_input` is input_layernorm(hidden): the layer
+        before computes it in the kernel of its last residual add, as this one does for `next_norm`."""
+        attn = self.self_attn(attn_input, cos_sin, batch, backend)
         hidden, mlp_input = add_norm_then_norm(
             self.post_attention_layernorm, attn, hidden, self.pre_feedforward_layernorm
         )
@@ -212,15 +216,13 @@ class Gemma4DecoderLayer(nn.Module):
             expert_out = self.experts(self.pre_feedforward_layernorm_2(residual), *routing)
             expert_out = self.post_feedforward_layernorm_2(expert_out)
             mlp_out = add_norm(self.post_feedforward_layernorm_1, mlp_out, expert_out)
-        # the layer scalar multiplies the layer's last sum: the per-layer-input one where there is one
-        scale = None if self.ple_dim else self.layer_scalar
-        hidden = add_norm(self.post_feedforward_layernorm, mlp_out, residual, scale)
-
-        if self.ple_dim:
-            gated = gelu_tanh_mul(self.per_layer_input_gate(hidden), per_layer_input)
-            projected = self.per_layer_projection(gated)
-            hidden = add_norm(self.post_per_layer_input_norm, projected, hidden, self.layer_scalar)
-        return hidden
+        if not self.ple_dim:
+            return add_norm_then_norm(self.post_feedforward_layernorm, mlp_out, residual, next_norm, self.layer_scalar)
+        # the layer scalar multiplies the layer's last sum: the per-layer-input one here
+        hidden = add_norm(self.post_feedforward_layernorm, mlp_out, residual)
+        gated = gelu_tanh_mul(self.per_layer_input_gate(hidden), per_layer_input)
+        projected = self.per_layer_projection(gated)
+        return add_norm_then_norm(self.post_per_layer_input_norm, projected, hidden, next_norm, self.layer_scalar)
 
 
 def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -229,11 +231,18 @@ def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, scale: torc
 
 
 def add_norm_then_norm(
-    norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, next_norm: RMSNorm
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual + norm(x), next_norm(residual + norm(x))) in one fused kernel on GPU."""
+    norm: RMSNorm,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    next_norm: RMSNorm | None,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(summed, next_norm(summed)) with summed = (residual + norm(x)) * scale, in one fused kernel on GPU;
+    (summed, None) without a next norm."""
+    if next_norm is None:
+        return add_norm(norm, x, residual, scale), None
     weight = norm.weight if norm.with_scale else None
-    return add_rms_norm_then_norm(x, residual, weight, norm.eps, next_norm.weight, next_norm.eps)
+    return add_rms_norm_then_norm(x, residual, weight, norm.eps, next_norm.weight, next_norm.eps, scale)
 
 
 class TextModelOutput(NamedTuple):
@@ -298,10 +307,15 @@ class Gemma4TextModel(nn.Module):
     ) -> torch.Tensor:
         """Decoder layers `layers` over the batch's rows; attention metadata must be built for `batch`."""
         cos_sin = {t: self.rotary.cos_sin(batch.positions, t, hidden.dtype) for t in self.rotary.layer_types}
+        attn_input = self.layers[layers[0]].input_layernorm(hidden) if len(layers) else None
         for i in layers:
             spec = self.config.layers[i]
             layer_input = per_layer[:, i] if per_layer is not None else None
-            hidden = self.layers[i](hidden, layer_input, cos_sin[spec.layer_type], batch, backend)
+            # each layer's last add also norms for the next layer's attention (one kernel, not two)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 in layers else None
+            hidden, attn_input = self.layers[i](
+                hidden, attn_input, layer_input, cos_sin[spec.layer_type], batch, backend, next_norm
+            )
         return hidden
 
     def run_shared_layers(
