@@ -77,6 +77,29 @@ def test_pad_to_blocks_layout() -> None:
 
 
 @requires_triton
+@pytest.mark.parametrize(
+    "tokens,top_k,num_experts,block_m,skew",
+    [(4, 2, 5, 2, False), (1, 8, 128, 16, False), (32, 8, 128, 16, False), (37, 8, 128, 16, True),
+     (300, 4, 16, 32, True), (256, 8, 128, 16, True)],
+)  # fmt: skip
+def test_align_kernel_equals_sort_and_pad(tokens: int, top_k: int, num_experts: int, block_m: int, skew: bool) -> None:
+    """The one-launch layout (decode sizes) is `pad_to_blocks(sort_by_expert())`, value for value, including
+    slot counts past one 128-slot chunk and runs longer than a block (skew: most slots on a few experts)."""
+    from srt.layers.moe.triton_kernels.align import align_slots
+
+    generator = torch.Generator().manual_seed(tokens * top_k)
+    if skew:
+        ids = torch.randint(0, 3, (tokens, top_k), generator=generator) * (num_experts // 3)
+    else:
+        ids = torch.stack([torch.randperm(num_experts, generator=generator)[:top_k] for _ in range(tokens)])
+    ids = ids.to(DEVICE, torch.int32)
+    expected = fe.pad_to_blocks(fe.sort_by_expert(ids, num_experts), block_m)
+    got = align_slots(ids, num_experts, block_m)
+    for name, ours, theirs in zip(expected._fields, got, expected, strict=True):
+        assert ours.dtype == theirs.dtype and ours.tolist() == theirs.tolist(), name
+
+
+@requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("tokens", [1, 9])
 def test_triton_matches_loop(tokens: int, dtype: torch.dtype) -> None:

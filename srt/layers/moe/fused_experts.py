@@ -4,7 +4,8 @@ Both backends sort the token slots (slot = token * top_k + k) by expert once, wi
 then run one grouped GEMM for gate/up (gelu-tanh gating) and one for down over all experts, and sum each
 token's top_k weighted outputs:
 
-- "triton": `triton_kernels/experts.py` over slots padded to whole row blocks per expert (`ExpertBlocks`);
+- "triton": `triton_kernels/experts.py` over slots padded to whole row blocks per expert (`ExpertBlocks`,
+  made by one `triton_kernels/align.py` launch at decode sizes, by torch ops above them);
   gelu(gate) * up is fused into the first GEMM's epilogue and the routing weight into the second's. Any float
   dtype; runs on CUDA or under Triton's CPU interpreter.
 - "grouped_mm": `torch._grouped_mm` (CUTLASS grouped GEMM, bf16 on Hopper) over the gathered token rows in
@@ -26,9 +27,10 @@ from srt.layers.graph_mode import in_cuda_graph_step
 from srt.layers.moe.fused_routing import triton_runs_on
 
 try:
+    from srt.layers.moe.triton_kernels import align as align_kernel
     from srt.layers.moe.triton_kernels import experts as experts_kernels
 except ImportError:  # no triton: grouped_mm or the torch loop
-    experts_kernels = None
+    align_kernel = experts_kernels = None
 
 BACKENDS = ("triton", "grouped_mm")
 
@@ -98,7 +100,10 @@ def triton_experts(
     num_experts = gate_up_proj.shape[0]
     if config is None:
         config = experts_kernels.default_experts_config(tokens * top_k, num_experts, hidden.is_cuda)
-    blocks = pad_to_blocks(sort_by_expert(expert_ids, num_experts), config.block_m)
+    if expert_ids.numel() <= align_kernel.ALIGN_MAX_SLOTS:  # decode sizes: one launch, not ~20
+        blocks = ExpertBlocks(*align_kernel.align_slots(expert_ids, num_experts, config.block_m))
+    else:
+        blocks = pad_to_blocks(sort_by_expert(expert_ids, num_experts), config.block_m)
     hidden, gate_up_proj, down_proj = hidden.contiguous(), gate_up_proj.contiguous(), down_proj.contiguous()
     act = experts_kernels.grouped_gate_up(hidden, gate_up_proj, *blocks, top_k, config)
     flat_weights = weights.reshape(-1).float().contiguous()
