@@ -48,7 +48,11 @@ def compare_with_reference(
     path, dtype: torch.dtype, dtype_name: str, device: str = "cpu"
 ) -> tuple[float, ModelRunner]:
     """Greedy tokens must be identical at every step; returns the worst relative logit error."""
-    runner = ModelRunner(ServerArgs(model_path=str(path), device=device, dtype=dtype_name))
+    # on a GPU the pools would otherwise take most of its memory
+    max_total_tokens = 4096 if device == "cuda" else None
+    runner = ModelRunner(
+        ServerArgs(model_path=str(path), device=device, dtype=dtype_name, max_total_tokens=max_total_tokens)
+    )
     reference = load_reference(path, dtype)
     prompts = random_prompts(runner.model_config.vocab_size)
     result = generate_greedy(runner, prompts, DECODE_STEPS)

@@ -21,6 +21,7 @@ padding and the static buffers.
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -106,6 +107,18 @@ class CapturedSteps(Generic[StepOutput]):
 
     @torch.no_grad()
     def _capture_all(self, pool: tuple | None, name: str) -> None:
+        # Python's garbage collector must not run mid-capture: freeing a dead runner's CUDA graphs there
+        # (cudaGraphExecDestroy) is not allowed while a stream captures, and it invalidates the capture
+        gc.collect()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_each(pool, name)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+
+    def _capture_each(self, pool: tuple | None, name: str) -> None:
         start = time.perf_counter()
         reserved_before = torch.cuda.memory_reserved()
         # largest first: the smaller graphs then fit in memory the shared pool already holds
