@@ -272,7 +272,7 @@ def test_extend_tiles_cover_every_row_once_last_tile_first() -> None:
 
 def test_decode_split_count_fills_the_gpu_and_is_bounded() -> None:
     assert decode_kernels.num_kv_splits(num_rows=1, kv_heads=2, num_sms=132) == decode_kernels.MAX_KV_SPLITS
-    assert decode_kernels.num_kv_splits(num_rows=32, kv_heads=2, num_sms=132) == 8
+    assert decode_kernels.num_kv_splits(num_rows=32, kv_heads=2, num_sms=132) == 4  # about one wave
     assert decode_kernels.num_kv_splits(num_rows=512, kv_heads=2, num_sms=132) == 1
 
 

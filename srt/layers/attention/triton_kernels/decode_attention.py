@@ -39,13 +39,17 @@ class DecodeConfig:
 def default_decode_config(head_dim: int, on_gpu: bool) -> DecodeConfig:
     if not on_gpu:
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
-    # BLOCK_N 32: K and V blocks of 256 or 512 dims stay in registers next to the accumulator without spills
-    return DecodeConfig(block_n=32 if head_dim >= 256 else 64, num_warps=4, num_stages=3)
+    # BLOCK_N 32: K and V blocks of 256 or 512 dims stay in registers next to the accumulator without spills;
+    # stages 1 (256) and 2 (512) were the fastest in bench/tune_decode_attention.py's H100 sweep
+    if head_dim >= 256:
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=1 if head_dim == 256 else 2)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
 
 
 def num_kv_splits(num_rows: int, kv_heads: int, num_sms: int) -> int:
-    """Splits per row: enough programs for about two waves of the GPU, a power of two, at most 64."""
-    wanted = triton.cdiv(2 * num_sms, max(num_rows * kv_heads, 1))
+    """Splits per row: enough programs for about one wave of the GPU, a power of two, at most 64 (the H100
+    sweep of bench/tune_decode_attention.py: two waves' worth of splits was 6-17% slower at batch 8 and 32)."""
+    wanted = triton.cdiv(num_sms, max(num_rows * kv_heads, 1))
     return min(triton.next_power_of_2(wanted), MAX_KV_SPLITS)
 
 
