@@ -64,7 +64,8 @@ class StaticInputs:
     def load(self, values: dict[str, torch.Tensor], num_rows: int, padded_rows: int) -> None:
         for name, buffer in self.buffers.items():
             buffer[:num_rows].copy_(values[name])
-            buffer[num_rows:padded_rows].fill_(self.padding[name])
+            if padded_rows > num_rows:  # each op costs host time before the replay can launch
+                buffer[num_rows:padded_rows].fill_(self.padding[name])
 
     def view(self, num_rows: int) -> dict[str, torch.Tensor]:
         return {name: buffer[:num_rows] for name, buffer in self.buffers.items()}
