@@ -2,8 +2,9 @@
 
 Numerically it follows transformers' modeling_gemma4.py; parameter names are the checkpoint's, so a Hugging
 Face directory loads as it is. What differs is the execution: a flat batch of token rows (ForwardBatch),
-KV written to and read from the pools through an attention backend, KV-shared layers with no K/V weights
-reading their owner's buffers, and logits only for the rows the caller needs.
+KV written to the pools by each KV-owning layer's fused q/k/v kernel (`qkv_norm_rope_store`) and read through
+an attention backend, KV-shared layers with no K/V weights reading their owner's buffers, and logits only for
+the rows the caller needs.
 
 YOCO fast prefill (E2B, E4B): the KV-shared layers write no KV, so nothing later reads their output at a row
 whose logits nobody needs. Before the first of them the batch shrinks to its logits rows:

@@ -35,5 +35,6 @@ class AttentionBackend(ABC):
 
         When `save_kv`, k and v ([tokens, kv_heads, head_dim]) of the batch's new tokens are first written
         to the layer's pool at `batch.out_cache_loc`. A KV-shared layer passes no k/v and reads its owner's
-        buffers; the pool resolves whose.
+        buffers; the pool resolves whose. (Gemma 4's KV-owning layers write their K/V themselves, fused with
+        the q/k/v norms, and pass no k/v either.)
         """
