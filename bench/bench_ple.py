@@ -5,9 +5,10 @@
 For E4B (hidden 2560) and E2B (hidden 1536), ple_dim 256, and each row count: a CUDA graph of LAYERS
 back-to-back PLE blocks, one per layer with its own weights (so that, as in a decode step, the weights come
 from HBM and not from L2), is timed by CUDA events after warm-up (`timing.time_cuda`); the table gives
-microseconds per block. The torch path is what the decoder layer runs today (F.linear, `gelu_tanh_mul`,
-F.linear); the Triton path is `per_layer_input_projection`. Both must agree (max error relative to the largest
-output, share of bit-equal outputs). Results go to --json, or to $OUT/bench_ple.json when $OUT is set.
+microseconds per block. The torch path is what the decoder layer ran before these kernels (F.linear,
+`gelu_tanh_mul`, F.linear); the Triton path is `per_layer_input_projection`. Both must agree (max error
+relative to the largest output, share of bit-equal outputs). Results go to --json, or to $OUT/bench_ple.json
+when $OUT is set.
 """
 
 from __future__ import annotations

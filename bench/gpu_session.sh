@@ -69,11 +69,11 @@ stage_serving() {  # 30 prompts x 7000 input / 10 output tokens at full concurre
 
 stage_profile() {  # where time goes, kernel by kernel (eager by default; PROFILE_GRAPHS=1 profiles replays)
     # PROFILES: model:batch:phase[:extra flag], e.g. E4B:1:decode or 26B-A4B:1:decode:--swa-full-tokens-ratio=1
-    graphs="--disable-cuda-graph"
-    [ "${PROFILE_GRAPHS:-0}" = 1 ] && graphs=""
+    graphs="--disable-cuda-graph" suffix=""
+    [ "${PROFILE_GRAPHS:-0}" = 1 ] && graphs="" suffix="-graphs"
     for run in ${PROFILES:-E4B:1:decode}; do
         IFS=: read -r model batch phase extra <<<"$run"
-        out="$RESULTS/profile-$model-$phase-bs$batch${graphs:+-eager}.txt"
+        out="$RESULTS/profile-$model-$phase-bs$batch$suffix.txt"
         timeout 200 python3 bench/profile_forward.py --model-path gemma-4-$model-it --load-format dummy \
             --dtype bfloat16 --phase "$phase" --batch-size "$batch" --input-len 512 $graphs \
             --rows 30 $extra >"$out" 2>&1

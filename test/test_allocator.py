@@ -146,6 +146,13 @@ def test_kv_pool_shared_layers_read_their_owners_buffers() -> None:
     assert ids(pool.layer_slots(full_layer.layer_id, slots)) == [1, 2]
     with pytest.raises(ValueError, match="shares KV"):
         pool.write(shared.layer_id, slots, torch.zeros(2, 2, 32), torch.zeros(2, 2, 32))
+    # what fused kernels write through: the layer's own buffers and, on sliding layers, full_to_swa
+    sliding_target, full_target = pool.cache_target(sliding_layer.layer_id), pool.cache_target(full_layer.layer_id)
+    assert sliding_target.k_buffer is pool.kv_buffers(sliding_layer.layer_id)[0]
+    assert sliding_target.full_to_swa is alloc.full_to_swa and full_target.full_to_swa is None
+    assert ids(sliding_target.rows(slots)) == [0, 2] and ids(full_target.rows(slots)) == [1, 2]
+    with pytest.raises(ValueError, match="shares KV"):
+        pool.cache_target(shared.layer_id)
     pool.check_integrity()
     pool._v[sliding_layer.layer_id] = torch.zeros(9, 2, 32)  # sized for the full pool by mistake
     with pytest.raises(AssertionError, match=r"V buffer is \(9, 2, 32\)"):

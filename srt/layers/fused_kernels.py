@@ -4,7 +4,8 @@ At batch 1 a decode step is bound by kernel launches (~2 us each), not by bytes;
 2 to 6 torch kernels with one Triton launch:
 
 - `rms_norm_rope`: the q/k norm and rotate-half RoPE (norm, cast, two muls, neg, cat, add).
-- `add_rms_norm`: a post-attention / post-feedforward norm, the residual add and the layer scalar.
+- `add_rms_norm`: a post-attention / post-feedforward norm, the residual add and the layer scalar;
+  `add_rms_norm_then_norm` also returns the next RMSNorm of the sum (e.g. the next layer's input norm).
 - `gelu_tanh_mul` / `gelu_tanh_mul_packed`: the MLP's gelu(gate, tanh) * up, straight from the gate_up GEMM.
 
 Each op has a pure-torch `*_reference` next to it: the reference is the math (it is what `RMSNorm`,
@@ -24,6 +25,8 @@ vs tanh), which can flip the last bit of a rounded bf16 value now and then:
   rounded y, cos and sin and rounded once, where torch rounds y * cos, rotate_half(y) * sin and their sum
   each to bf16. The fused result is the more accurate one; the two differ by at most a couple of bf16 ulps
   (in float32 they are the same).
+
+`_norm_rope_head` (one head's norm + RoPE) is shared with `qkv_norm_rope_store.py`'s fused q/k/v kernel.
 
 Everything is CUDA-graph safe: no host syncs, and None weights/scales select a compile-time variant.
 """
@@ -206,7 +209,7 @@ def _add_rms_norm_kernel(
     if NEXT_NORM:  # the next RMSNorm of the new residual stream, from the rounded sum still in registers
         next_rstd = 1.0 / tl.sqrt(tl.sum(out * out, axis=0) / n_cols + next_eps)
         next_normed = out * next_rstd * tl.load(next_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(next_out_ptr + row * stride_next_out + cols, next_normed.to(dtype), mask=mask)
+        tl.store(next_out_ptr + row * stride_next_out + cols, _round(next_normed, dtype).to(dtype), mask=mask)
 
 
 def add_rms_norm_reference(
@@ -257,6 +260,7 @@ def add_rms_norm_then_norm(
     """`add_rms_norm` and the next RMSNorm (weight `next_weight`) of its result, in one kernel:
     (summed, RMSNorm(summed)). E.g. a layer's last residual add, then the next layer's input norm."""
     summed, normed = _add_rms_norm(x, residual, weight, eps, scale, next_weight, next_eps, use_triton)
+    assert normed is not None  # a next weight was given
     return summed, normed
 
 

@@ -26,7 +26,8 @@ then gelu (sigmoid form, computed in float32) is rounded, then its product with 
 
 Measured on an H100, bf16, 42 blocks in a CUDA graph (bench/bench_ple.py), E4B: 4.2 us per block at 1 row vs
 11.2 for the torch ops, 6.8 vs 11.4 at 8 rows, 7.6 vs 11.4 at 32. Above MAX_ROWS (prefill) `use_triton=None`
-runs the reference: cuBLAS catches up by ~128 rows, and prefill is not latency bound.
+runs cuBLAS GEMMs around the fused gelu * mul kernel: cuBLAS catches up by ~128 rows, and prefill is not
+latency bound.
 """
 
 from __future__ import annotations
@@ -37,14 +38,24 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from srt.layers.fused_kernels import _jit, _last_dim_contiguous, _round, _runs_triton, gelu_tanh_mul_reference
+from srt.layers.fused_kernels import (
+    _jit,
+    _last_dim_contiguous,
+    _round,
+    _runs_triton,
+    gelu_tanh_mul,
+    gelu_tanh_mul_reference,
+)
 
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs: the reference serves every call
     triton = None
+try:  # programmatic dependent launch (newer Triton); without it the kernels launch one after the other
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 MAX_ROWS = 32  # decode batches; the kernels still win at 64 rows, and lose at 128 (see the docstring)
 
@@ -218,8 +229,9 @@ def per_layer_input_projection(
 
     hidden: [T, H]; per_layer_input: [T, P] (e.g. the slice `per_layer[:, i]` of a [T, layers, P] tensor);
     both any row stride with a contiguous last dim, in one dtype. gate_weight: [P, H] and projection_weight:
-    [H, P], the two nn.Linear weights. `use_triton`: None runs the kernels on CUDA for T <= MAX_ROWS and the
-    reference otherwise; True forces them (on the CPU only under TRITON_INTERPRET=1). Graph safe.
+    [H, P], the two nn.Linear weights. `use_triton`: None runs the kernels on CUDA for T <= MAX_ROWS, cuBLAS
+    around `gelu_tanh_mul` above, and the reference off CUDA; True forces them (on the CPU only under
+    TRITON_INTERPRET=1). Graph safe.
     """
     rows, hidden_size = hidden.shape
     ple_dim = gate_weight.shape[0]
@@ -233,8 +245,11 @@ def per_layer_input_projection(
     dtypes = {hidden.dtype, per_layer_input.dtype, gate_weight.dtype, projection_weight.dtype}
     if len(dtypes) != 1:
         raise ValueError(f"per_layer_input_projection: mixed dtypes {sorted(map(str, dtypes))}")
-    if (use_triton is None and rows > MAX_ROWS) or not _runs_triton(hidden.device, use_triton, _tile_gate_kernel):
+    if not _runs_triton(hidden.device, use_triton, _tile_gate_kernel):
         return per_layer_input_projection_reference(hidden, per_layer_input, gate_weight, projection_weight)
+    if use_triton is None and rows > MAX_ROWS:  # prefill: cuBLAS GEMMs around the fused gelu * mul kernel
+        gated = gelu_tanh_mul(F.linear(hidden, gate_weight), per_layer_input)
+        return F.linear(gated, projection_weight)
     hidden, per_layer_input = _last_dim_contiguous(hidden), _last_dim_contiguous(per_layer_input)
     gate_weight, projection_weight = _last_dim_contiguous(gate_weight), _last_dim_contiguous(projection_weight)
     out = torch.empty((rows, hidden_size), dtype=hidden.dtype, device=hidden.device)
@@ -246,7 +261,7 @@ def per_layer_input_projection(
     # not drop to TF32 on the tensor cores: the Linear it replaces runs in full float32.
     interpreted = type(_tile_gate_kernel).__name__ == "InterpretedFunction"
     precision = "ieee" if interpreted or hidden.dtype == torch.float32 else "tf32"
-    pdl = not interpreted and _has_pdl(hidden.device)
+    pdl = gdc_wait is not None and not interpreted and _has_pdl(hidden.device)
     launch_pdl = {"launch_pdl": True} if pdl else {}
     # K in whole gate_block_k steps, spread over at most tiles.splits chunks (the last one may be short)
     k_steps = triton.cdiv(hidden_size, tiles.gate_block_k)

@@ -102,10 +102,11 @@ def qkv_norm_rope_store_reference(
     """The op-by-op path: split, q and k norm + RoPE, scale-free v norm, K/V written at the slots' rows."""
     tokens, dim = qkv.shape[0], layout.head_dim
     q_raw, k_raw, *v_part = qkv.split(layout.sizes, dim=-1)
-    q = rms_norm_rope(q_raw.view(tokens, -1, dim), q_norm.weight, cos, sin, q_norm.eps)
+    # the torch math (use_triton=False): the kernel under test shares `_norm_rope_head` with rms_norm_rope's
+    q = rms_norm_rope(q_raw.view(tokens, -1, dim), q_norm.weight, cos, sin, q_norm.eps, use_triton=False)
     k_raw = k_raw.view(tokens, -1, dim)
     v_raw = v_part[0].view(tokens, -1, dim) if v_part else k_raw
-    k = rms_norm_rope(k_raw, k_norm.weight, cos, sin, k_norm.eps)
+    k = rms_norm_rope(k_raw, k_norm.weight, cos, sin, k_norm.eps, use_triton=False)
     v = v_norm(v_raw)
     rows = target.rows(slots)
     target.k_buffer[rows] = k.to(target.k_buffer.dtype)
@@ -144,6 +145,12 @@ def qkv_norm_rope_store(
     qkv, cos, sin = _last_dim_contiguous(qkv), _last_dim_contiguous(cos), _last_dim_contiguous(sin)
     q = torch.empty((tokens, layout.num_heads, dim), dtype=qkv.dtype, device=qkv.device)
     k_buffer, v_buffer = target.k_buffer, target.v_buffer
+    # the kernel trusts these shapes and strides with raw pointers: a mismatch would write anywhere
+    head_shape = (layout.num_kv_heads, dim)
+    if k_buffer.shape[1:] != head_shape or v_buffer.shape[1:] != head_shape:
+        raise ValueError(f"K/V buffers {list(k_buffer.shape)}, {list(v_buffer.shape)} do not hold {head_shape} heads")
+    if k_buffer.stride(-1) != 1 or v_buffer.stride(-1) != 1 or slots.shape != (tokens,) or slots.stride(0) != 1:
+        raise ValueError("qkv_norm_rope_store needs contiguous K/V head rows and one contiguous slot per token")
     if debug_kv_indices():
         target.rows(slots)  # checks every row is inside the buffers
     if tokens:

@@ -28,9 +28,15 @@ class KVCacheTarget:
 
     def rows(self, full_slots: torch.Tensor) -> torch.Tensor:
         """Buffer rows of the tokens with these full slots (checked under SRT_DEBUG_KV_INDICES=1)."""
-        rows = full_slots if self.full_to_swa is None else self.full_to_swa[full_slots]
+        if self.full_to_swa is None:
+            if debug_kv_indices():
+                check_indices(full_slots, self.k_buffer.shape[0] - 1, "full")
+            return full_slots
         if debug_kv_indices():
-            check_indices(rows, self.k_buffer.shape[0] - 1, "swa" if self.full_to_swa is not None else "full")
+            check_indices(full_slots, len(self.full_to_swa) - 1, "full")
+        rows = self.full_to_swa[full_slots]
+        if debug_kv_indices():
+            check_indices(rows, self.k_buffer.shape[0] - 1, "swa")
         return rows
 
 
