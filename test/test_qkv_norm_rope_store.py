@@ -60,8 +60,12 @@ def _run_both(layout: QKVLayout, tokens: int, dtype: torch.dtype, sliding: bool,
 def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     if got.dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    else:  # one bf16/fp16 ulp of the value, now and then (float32 noise before the last rounding)
-        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7)
+    else:
+        # The reference rounds y * cos, rotate(y) * sin and their sum each to bf16, the kernel rounds once
+        # from float32: they differ by up to a couple of ulps of those terms, whose size is that of the
+        # largest values, not of an output where the two terms cancel (seen on the H100 at 31B's size).
+        scale = max(1.0, float(want.abs().max()))
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-6 * scale)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
