@@ -52,8 +52,9 @@ def _run_both(layout: QKVLayout, tokens: int, dtype: torch.dtype, sliding: bool,
     cos, sin = _cos_sin(tokens, layout.head_dim, dtype)
     slots = torch.randperm(17, generator=generator)[:tokens].to(DEVICE) + 1
     got_target, want_target = _target(19, layout, dtype, sliding), _target(19, layout, dtype, sliding)
-    got = qkv_norm_rope_store(qkv, layout, *norms, cos, sin, got_target, slots, use_triton=use_triton)
-    want = qkv_norm_rope_store_reference(qkv, layout, *norms, cos, sin, want_target, slots)
+    with torch.no_grad():  # as the model runs
+        got = qkv_norm_rope_store(qkv, layout, *norms, cos, sin, got_target, slots, use_triton=use_triton)
+        want = qkv_norm_rope_store_reference(qkv, layout, *norms, cos, sin, want_target, slots)
     return (got, got_target), (want, want_target)
 
 
