@@ -300,6 +300,15 @@ def _add_rms_norm(
 
 
 @_jit
+def gelu_tanh_f32(x):
+    """gelu(x, approximate="tanh") of float32 `x`: 0.5 * (1 + tanh(z)) == sigmoid(2z), so no tanh is needed
+    and there is no cancellation for negative z (the clamp only keeps exp finite: gelu is ~1e-35 * x there
+    either way). Shared by the kernels that fuse gelu into something else."""
+    inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2 / pi) * (...)
+    return x / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 80.0)))
+
+
+@_jit
 def _gelu_tanh_mul_kernel(
     gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_out, n_cols,
     BLOCK: tl.constexpr,
@@ -309,10 +318,7 @@ def _gelu_tanh_mul_kernel(
     mask = cols < n_cols
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2 / pi) * (...)
-    # 0.5 * (1 + tanh(z)) == sigmoid(2z): no tanh needed, and no cancellation for negative z (the clamp only
-    # keeps exp finite: gelu is ~1e-35 * gate there either way)
-    gelu = gate / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 80.0)))
+    gelu = gelu_tanh_f32(gate)
     dtype = out_ptr.dtype.element_ty
     out = _round(_round(gelu, dtype) * up, dtype)  # torch rounds gelu's output before the product
     tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)

@@ -43,6 +43,7 @@ from srt.layers.fused_kernels import (
     _last_dim_contiguous,
     _round,
     _runs_triton,
+    gelu_tanh_f32,
     gelu_tanh_mul,
     gelu_tanh_mul_reference,
 )
@@ -61,17 +62,9 @@ MAX_ROWS = 32  # decode batches; the kernels still win at 64 rows, and lose at 1
 
 
 @_jit
-def _gelu_tanh(x):
-    # the sigmoid form of gelu(x, tanh) of fused_kernels' `_gelu_tanh_mul_kernel`: 0.5 * (1 + tanh(z)) ==
-    # sigmoid(2z), no cancellation for negative z; the clamp only keeps exp finite
-    inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2 / pi) * (...)
-    return x / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 80.0)))
-
-
-@_jit
 def _gated(gate, ple, DTYPE: tl.constexpr):
     """gelu_tanh(gate) * ple from the gate GEMV's float32 sum, rounded to DTYPE where torch rounds."""
-    return _round(_round(_gelu_tanh(_round(gate, DTYPE)), DTYPE) * ple.to(tl.float32), DTYPE)
+    return _round(_round(gelu_tanh_f32(_round(gate, DTYPE)), DTYPE) * ple.to(tl.float32), DTYPE)
 
 
 # ---------------------------------------------------------------------------------------------------------
