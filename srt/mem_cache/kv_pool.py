@@ -79,20 +79,15 @@ class HybridKVPool:
         return KVCacheTarget(self._k[layer_id], self._v[layer_id], self.allocator.full_to_swa if sliding else None)
 
     def layer_slots(self, layer_id: int, full_slots: torch.Tensor) -> torch.Tensor:
-        """Rows of the layer's buffers holding the tokens with these full-pool slots."""
-        if self.layers[layer_id].is_sliding:
-            return self.allocator.translate(full_slots)
-        if debug_kv_indices():
-            check_indices(full_slots, self.allocator.full_size, "full")
-        return full_slots
+        """Rows of the layer's buffers (its owner's, for a KV-shared layer) holding these full-pool slots."""
+        return self.cache_target(self.layers[layer_id].kv_owner).rows(full_slots)
 
     def write(self, layer_id: int, full_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of new tokens ([tokens, kv_heads, head_dim]) for a KV-owning layer."""
-        if not self.layers[layer_id].owns_kv:
-            raise ValueError(f"layer {layer_id} shares KV of layer {self.layers[layer_id].kv_owner}")
-        rows = self.layer_slots(layer_id, full_slots)
-        self._k[layer_id][rows] = k.to(self.dtype)
-        self._v[layer_id][rows] = v.to(self.dtype)
+        target = self.cache_target(layer_id)
+        rows = target.rows(full_slots)
+        target.k_buffer[rows] = k.to(self.dtype)
+        target.v_buffer[rows] = v.to(self.dtype)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless exactly the KV-owning layers have buffers, sized to their pool, and
