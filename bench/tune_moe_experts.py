@@ -16,14 +16,13 @@ import os
 from pathlib import Path
 
 import torch
+from bench_moe import BF16_FLOPS, EXPERTS, HIDDEN, INTER, TOP_K
 from timing import time_cuda
 from tqdm import tqdm
 
 from srt.layers.moe import fused_experts as fe
 from srt.layers.moe.triton_kernels.experts import ExpertsConfig, default_experts_config
 
-HIDDEN, EXPERTS, TOP_K, INTER = 2816, 128, 8, 704
-BF16_FLOPS = 790e12
 # (block_m, block_n_gate_up, block_n_down, block_k, num_warps, num_stages)
 CANDIDATES = [
     (64, 64, 128, 64, 4, 4),
