@@ -107,10 +107,7 @@ def qkv_norm_rope_store_reference(
     k_raw = k_raw.view(tokens, -1, dim)
     v_raw = v_part[0].view(tokens, -1, dim) if v_part else k_raw
     k = rms_norm_rope(k_raw, k_norm.weight, cos, sin, k_norm.eps, use_triton=False)
-    v = v_norm(v_raw)
-    rows = target.rows(slots)
-    target.k_buffer[rows] = k.to(target.k_buffer.dtype)
-    target.v_buffer[rows] = v.to(target.v_buffer.dtype)
+    target.store(slots, k, v_norm(v_raw))
     return q
 
 

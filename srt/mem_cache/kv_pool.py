@@ -39,6 +39,12 @@ class KVCacheTarget:
             check_indices(rows, self.k_buffer.shape[0] - 1, "swa")
         return rows
 
+    def store(self, full_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V of the tokens with these full slots ([tokens, kv_heads, head_dim]) in the buffers' dtype."""
+        rows = self.rows(full_slots)
+        self.k_buffer[rows] = k.to(self.k_buffer.dtype)
+        self.v_buffer[rows] = v.to(self.v_buffer.dtype)
+
 
 class HybridKVPool:
     """K/V buffers for every KV-owning layer; full layers in the full pool, sliding layers in the SWA pool."""
@@ -84,10 +90,7 @@ class HybridKVPool:
 
     def write(self, layer_id: int, full_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V of new tokens ([tokens, kv_heads, head_dim]) for a KV-owning layer."""
-        target = self.cache_target(layer_id)
-        rows = target.rows(full_slots)
-        target.k_buffer[rows] = k.to(self.dtype)
-        target.v_buffer[rows] = v.to(self.dtype)
+        self.cache_target(layer_id).store(full_slots, k, v)
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless exactly the KV-owning layers have buffers, sized to their pool, and
