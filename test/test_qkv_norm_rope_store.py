@@ -113,6 +113,23 @@ def test_wrong_width_is_refused() -> None:
         )
 
 
+def test_buffers_the_kernel_cannot_write_safely_are_refused() -> None:
+    layout = QKVLayout(num_heads=2, num_kv_heads=1, head_dim=16, k_eq_v=False)
+    qkv = torch.zeros(2, sum(layout.sizes), device=DEVICE)
+    args = (*_cos_sin(2, 16, torch.float32),)
+    slots = torch.tensor([1, 2], device=DEVICE)
+    q_norm, k_norm, v_norm = _norms(16, torch.Generator())
+    wrong_heads = _target(4, QKVLayout(2, 2, 16, False), torch.float32, sliding=False)
+    with pytest.raises(ValueError, match="do not hold"):
+        qkv_norm_rope_store(qkv, layout, q_norm, k_norm, v_norm, *args, wrong_heads, slots, use_triton=True)
+    target = _target(4, layout, torch.float32, sliding=False)
+    with pytest.raises(ValueError, match="one contiguous slot per token"):
+        qkv_norm_rope_store(qkv, layout, q_norm, k_norm, v_norm, *args, target, slots[:1], use_triton=True)
+    with pytest.raises(ValueError, match="scale-free"):
+        qkv_norm_rope_store(qkv, layout, q_norm, k_norm, q_norm, *args, target, slots, use_triton=True)
+    assert bool((target.k_buffer == 7.0).all())  # nothing was written
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="the CPU default path")
 def test_cpu_default_is_the_reference() -> None:
     layout = QKVLayout(num_heads=4, num_kv_heads=2, head_dim=16, k_eq_v=False)
