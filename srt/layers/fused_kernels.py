@@ -26,7 +26,7 @@ vs tanh), which can flip the last bit of a rounded bf16 value now and then:
   each to bf16. The fused result is the more accurate one; the two differ by at most a couple of bf16 ulps
   (in float32 they are the same).
 
-`_norm_rope_head` (one head's norm + RoPE) is shared with `qkv_norm_rope_store.py`'s fused q/k/v kernel.
+`norm_rope_head` (one head's norm + RoPE) is shared with `qkv_norm_rope_store.py`'s fused q/k/v kernel.
 
 Everything is CUDA-graph safe: no host syncs, and None weights/scales select a compile-time variant.
 """
@@ -36,32 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-except ImportError:  # CPU-only installs: the references serve every call, the kernels stay plain functions
-    triton = None
-    _jit = lambda fn: fn  # noqa: E731
-
-
-def _runs_triton(device: torch.device, use_triton: bool | None, kernel: object) -> bool:
-    """Resolve `use_triton` (None: Triton on CUDA, the reference elsewhere) and check that Triton can run."""
-    if use_triton is None:
-        return device.type == "cuda" and triton is not None
-    if use_triton:
-        interpreted = type(kernel).__name__ == "InterpretedFunction"
-        if triton is None or not (device.type == "cuda" or (device.type == "cpu" and interpreted)):
-            raise RuntimeError(
-                f"use_triton=True cannot run on {device.type}: needs CUDA, or the CPU with TRITON_INTERPRET=1 "
-                "set before srt.layers.fused_kernels was imported"
-            )
-    return use_triton
-
-
-def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+from srt.layers.triton_support import jit, last_dim_contiguous, round_to, runs_triton, tl, triton
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -73,27 +48,12 @@ def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float
     return normed.type_as(x)
 
 
-@_jit
-def _round(x, DTYPE: tl.constexpr):
-    """float32 `x` rounded to DTYPE (round to nearest even), returned as float32.
-
-    bfloat16 rounds in integer ops: Triton's CPU interpreter truncates float32 -> bfloat16 casts where the GPU
-    rounds, and this keeps the tested path and the GPU path the same code (a few integer ops on registers).
-    """
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
-    else:
-        return x.to(DTYPE).to(tl.float32)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # RMSNorm + RoPE (q and k heads)
 
 
-@_jit
-def _norm_rope_head(
+@jit
+def norm_rope_head(
     x_row, weight_ptr, cos_row, sin_row, eps, dtype: tl.constexpr,
     HEAD_DIM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr,
 ):  # fmt: skip
@@ -108,20 +68,20 @@ def _norm_rope_head(
     y = x * rstd
     if HAS_WEIGHT:
         y = y * tl.load(weight_ptr + cols).to(tl.float32)
-    y = _round(y, dtype)
+    y = round_to(y, dtype)
     if ROPE:
         y_partner = tl.load(x_row + partner).to(tl.float32) * rstd
         if HAS_WEIGHT:
             y_partner = y_partner * tl.load(weight_ptr + partner).to(tl.float32)
-        y_partner = _round(y_partner, dtype)
+        y_partner = round_to(y_partner, dtype)
         rotated = tl.where(cols < HALF, -y_partner, y_partner)
         cos = tl.load(cos_row + cols).to(tl.float32)
         sin = tl.load(sin_row + cols).to(tl.float32)
-        y = _round(y * cos + rotated * sin, dtype)
+        y = round_to(y * cos + rotated * sin, dtype)
     return y
 
 
-@_jit
+@jit
 def _rms_norm_rope_kernel(
     x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr,
     stride_x_tok, stride_x_head, stride_cos_tok, stride_sin_tok, stride_out_tok, stride_out_head, eps,
@@ -131,7 +91,7 @@ def _rms_norm_rope_kernel(
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
-    out = _norm_rope_head(
+    out = norm_rope_head(
         x_ptr + tok * stride_x_tok + head * stride_x_head, weight_ptr, cos_ptr + tok * stride_cos_tok,
         sin_ptr + tok * stride_sin_tok, eps, dtype, HEAD_DIM, HAS_WEIGHT, True,
     )  # fmt: skip
@@ -164,12 +124,12 @@ def rms_norm_rope(
     cos, sin: [tokens, head_dim] in x's dtype. The norm output is rounded to x's dtype before RoPE; the
     fused RoPE then rounds once from float32 (see the module docstring).
     """
-    if not _runs_triton(x.device, use_triton, _rms_norm_rope_kernel):
+    if not runs_triton(x.device, use_triton, _rms_norm_rope_kernel):
         return rms_norm_rope_reference(x, weight, cos, sin, eps)
     tokens, heads, dim = x.shape
     if dim & (dim - 1):
         raise ValueError(f"rms_norm_rope needs a power-of-two head_dim, got {dim}")
-    x, cos, sin = _last_dim_contiguous(x), _last_dim_contiguous(cos), _last_dim_contiguous(sin)
+    x, cos, sin = last_dim_contiguous(x), last_dim_contiguous(cos), last_dim_contiguous(sin)
     out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
     if tokens and heads:
         _rms_norm_rope_kernel[(tokens, heads)](
@@ -184,7 +144,7 @@ def rms_norm_rope(
 # residual + RMSNorm (* layer scalar)
 
 
-@_jit
+@jit
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, scale_ptr, out_ptr, next_weight_ptr, next_out_ptr,
     stride_x, stride_residual, stride_out, stride_next_out, n_cols, eps, next_eps,
@@ -200,16 +160,16 @@ def _add_rms_norm_kernel(
         normed = normed * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = out_ptr.dtype.element_ty
     # round where torch does: the norm's output, the sum, the product with the scale
-    normed = _round(normed, dtype)
+    normed = round_to(normed, dtype)
     residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
-    out = _round(residual + normed, dtype)
+    out = round_to(residual + normed, dtype)
     if HAS_SCALE:
-        out = _round(out * tl.load(scale_ptr).to(tl.float32), dtype)
+        out = round_to(out * tl.load(scale_ptr).to(tl.float32), dtype)
     tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)
     if NEXT_NORM:  # the next RMSNorm of the new residual stream, from the rounded sum still in registers
         next_rstd = 1.0 / tl.sqrt(tl.sum(out * out, axis=0) / n_cols + next_eps)
         next_normed = out * next_rstd * tl.load(next_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(next_out_ptr + row * stride_next_out + cols, _round(next_normed, dtype).to(dtype), mask=mask)
+        tl.store(next_out_ptr + row * stride_next_out + cols, round_to(next_normed, dtype).to(dtype), mask=mask)
 
 
 def add_rms_norm_reference(
@@ -276,10 +236,10 @@ def _add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"add_rms_norm: x {x.dtype}{list(x.shape)} vs residual {residual.dtype}{list(residual.shape)}")
-    if not _runs_triton(x.device, use_triton, _add_rms_norm_kernel):
+    if not runs_triton(x.device, use_triton, _add_rms_norm_kernel):
         summed = add_rms_norm_reference(x, residual, weight, eps, scale)
         return summed, None if next_weight is None else _rms_norm_reference(summed, next_weight, next_eps)
-    x, residual = _last_dim_contiguous(x), _last_dim_contiguous(residual)
+    x, residual = last_dim_contiguous(x), last_dim_contiguous(residual)
     tokens, hidden = x.shape
     out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
     next_out = None if next_weight is None else torch.empty_like(out)
@@ -299,7 +259,7 @@ def _add_rms_norm(
 # gelu(gate, tanh) * up
 
 
-@_jit
+@jit
 def gelu_tanh_f32(x):
     """gelu(x, approximate="tanh") of float32 `x`: 0.5 * (1 + tanh(z)) == sigmoid(2z), so no tanh is needed
     and there is no cancellation for negative z (the clamp only keeps exp finite: gelu is ~1e-35 * x there
@@ -308,7 +268,7 @@ def gelu_tanh_f32(x):
     return x / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 80.0)))
 
 
-@_jit
+@jit
 def _gelu_tanh_mul_kernel(
     gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_out, n_cols,
     BLOCK: tl.constexpr,
@@ -320,7 +280,7 @@ def _gelu_tanh_mul_kernel(
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
     gelu = gelu_tanh_f32(gate)
     dtype = out_ptr.dtype.element_ty
-    out = _round(_round(gelu, dtype) * up, dtype)  # torch rounds gelu's output before the product
+    out = round_to(round_to(gelu, dtype) * up, dtype)  # torch rounds gelu's output before the product
     tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)
 
 
@@ -338,9 +298,9 @@ def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool | None 
     """
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gelu_tanh_mul: gate {gate.dtype}{list(gate.shape)} vs up {up.dtype}{list(up.shape)}")
-    if not _runs_triton(gate.device, use_triton, _gelu_tanh_mul_kernel):
+    if not runs_triton(gate.device, use_triton, _gelu_tanh_mul_kernel):
         return gelu_tanh_mul_reference(gate, up)
-    gate, up = _last_dim_contiguous(gate), _last_dim_contiguous(up)
+    gate, up = last_dim_contiguous(gate), last_dim_contiguous(up)
     tokens, n = gate.shape
     out = torch.empty((tokens, n), dtype=gate.dtype, device=gate.device)
     if tokens and n:

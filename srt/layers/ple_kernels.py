@@ -32,46 +32,39 @@ latency bound.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from srt.layers.fused_kernels import (
-    _jit,
-    _last_dim_contiguous,
-    _round,
-    _runs_triton,
-    gelu_tanh_f32,
-    gelu_tanh_mul,
-    gelu_tanh_mul_reference,
+from srt.layers.fused_kernels import gelu_tanh_f32, gelu_tanh_mul, gelu_tanh_mul_reference
+from srt.layers.triton_support import (
+    gdc_launch_dependents,
+    gdc_wait,
+    has_pdl,
+    is_interpreted,
+    jit,
+    last_dim_contiguous,
+    round_to,
+    runs_triton,
+    tl,
+    triton,
 )
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the reference serves every call
-    triton = None
-try:  # programmatic dependent launch (newer Triton); without it the kernels launch one after the other
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:
-    gdc_launch_dependents = gdc_wait = None
 
 MAX_ROWS = 32  # decode batches; the kernels still win at 64 rows, and lose at 128 (see the docstring)
 
 
-@_jit
+@jit
 def _gated(gate, ple, DTYPE: tl.constexpr):
     """gelu_tanh(gate) * ple from the gate GEMV's float32 sum, rounded to DTYPE where torch rounds."""
-    return _round(_round(gelu_tanh_f32(_round(gate, DTYPE)), DTYPE) * ple.to(tl.float32), DTYPE)
+    return round_to(round_to(gelu_tanh_f32(round_to(gate, DTYPE)), DTYPE) * ple.to(tl.float32), DTYPE)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # one row: multiply-and-sum GEMVs
 
 
-@_jit
+@jit
 def _vector_gate_kernel(
     hidden_ptr, weight_ptr, partials_ptr, hidden_size, ple_dim, stride_weight,
     K_PER_SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
@@ -92,7 +85,7 @@ def _vector_gate_kernel(
     tl.store(partials_ptr + split * ple_dim + p_ids, tl.sum(acc, axis=1), mask=p_mask)
 
 
-@_jit
+@jit
 def _vector_project_kernel(
     partials_ptr, ple_ptr, weight_ptr, out_ptr, hidden_size, ple_dim, stride_weight,
     SPLIT_K: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
@@ -111,14 +104,14 @@ def _vector_project_kernel(
         gate += tl.load(partials_ptr + split * ple_dim + p_ids, mask=p_mask, other=0.0)
     dtype = out_ptr.dtype.element_ty
     out = tl.sum(w.to(tl.float32) * _gated(gate, ple, dtype)[None, :], axis=1)
-    tl.store(out_ptr + n_ids, _round(out, dtype).to(dtype), mask=n_mask)
+    tl.store(out_ptr + n_ids, round_to(out, dtype).to(dtype), mask=n_mask)
 
 
 # ---------------------------------------------------------------------------------------------------------
 # 2+ rows: tl.dot on blocks of BLOCK_T rows (padded)
 
 
-@_jit
+@jit
 def _tile_gate_kernel(
     hidden_ptr, weight_ptr, partials_ptr, rows, hidden_size, ple_dim, stride_hidden, stride_weight,
     K_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -146,7 +139,7 @@ def _tile_gate_kernel(
     tl.store(out, acc, mask=row_mask[:, None] & p_mask[None, :])
 
 
-@_jit
+@jit
 def _tile_project_kernel(
     partials_ptr, ple_ptr, weight_ptr, out_ptr, rows, hidden_size, ple_dim, stride_ple, stride_weight, stride_out,
     SPLIT_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -174,7 +167,7 @@ def _tile_project_kernel(
         acc = tl.dot(gated, tl.trans(w.to(tl.float32)), input_precision=PRECISION)
     else:
         acc = tl.dot(gated.to(dtype), tl.trans(w), input_precision=PRECISION)
-    out = _round(acc, dtype)  # not a plain cast: the interpreter truncates float32 -> bfloat16
+    out = round_to(acc, dtype)  # not a plain cast: the interpreter truncates float32 -> bfloat16
     out_mask = (row_ids < rows)[:, None] & (n_ids < hidden_size)[None, :]
     tl.store(out_ptr + row_ids64[:, None] * stride_out + n_ids[None, :], out.to(dtype), mask=out_mask)
 
@@ -205,12 +198,6 @@ def _choose_tiles(rows: int) -> _Tiles:
     return _Tiles(gate_block_p=32, gate_block_k=256, splits=5, project_block_n=64)
 
 
-@functools.cache
-def _has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: Hopper and later."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def per_layer_input_projection(
     hidden: torch.Tensor,
     per_layer_input: torch.Tensor,
@@ -238,13 +225,13 @@ def per_layer_input_projection(
     dtypes = {hidden.dtype, per_layer_input.dtype, gate_weight.dtype, projection_weight.dtype}
     if len(dtypes) != 1:
         raise ValueError(f"per_layer_input_projection: mixed dtypes {sorted(map(str, dtypes))}")
-    if not _runs_triton(hidden.device, use_triton, _tile_gate_kernel):
+    if not runs_triton(hidden.device, use_triton, _tile_gate_kernel):
         return per_layer_input_projection_reference(hidden, per_layer_input, gate_weight, projection_weight)
     if use_triton is None and rows > MAX_ROWS:  # prefill: cuBLAS GEMMs around the fused gelu * mul kernel
         gated = gelu_tanh_mul(F.linear(hidden, gate_weight), per_layer_input)
         return F.linear(gated, projection_weight)
-    hidden, per_layer_input = _last_dim_contiguous(hidden), _last_dim_contiguous(per_layer_input)
-    gate_weight, projection_weight = _last_dim_contiguous(gate_weight), _last_dim_contiguous(projection_weight)
+    hidden, per_layer_input = last_dim_contiguous(hidden), last_dim_contiguous(per_layer_input)
+    gate_weight, projection_weight = last_dim_contiguous(gate_weight), last_dim_contiguous(projection_weight)
     out = torch.empty((rows, hidden_size), dtype=hidden.dtype, device=hidden.device)
     if rows == 0:
         return out
@@ -252,9 +239,9 @@ def per_layer_input_projection(
     # Triton's interpreter multiplies 16-bit floats in tl.dot as raw integers: there the operands go up to
     # float32 first (products of 16-bit floats are exact in float32: the same math). float32 operands must
     # not drop to TF32 on the tensor cores: the Linear it replaces runs in full float32.
-    interpreted = type(_tile_gate_kernel).__name__ == "InterpretedFunction"
+    interpreted = is_interpreted(_tile_gate_kernel)
     precision = "ieee" if interpreted or hidden.dtype == torch.float32 else "tf32"
-    pdl = gdc_wait is not None and not interpreted and _has_pdl(hidden.device)
+    pdl = gdc_wait is not None and not interpreted and has_pdl(hidden.device)
     launch_pdl = {"launch_pdl": True} if pdl else {}
     # K in whole gate_block_k steps, spread over at most tiles.splits chunks (the last one may be short)
     k_steps = triton.cdiv(hidden_size, tiles.gate_block_k)

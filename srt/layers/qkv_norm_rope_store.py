@@ -23,15 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.layers.fused_kernels import _jit, _last_dim_contiguous, _norm_rope_head, _runs_triton, rms_norm_rope
+from srt.layers.fused_kernels import norm_rope_head, rms_norm_rope
 from srt.layers.layernorm import RMSNorm
+from srt.layers.triton_support import jit, last_dim_contiguous, runs_triton, tl
 from srt.mem_cache.allocator import debug_kv_indices
 from srt.mem_cache.kv_pool import KVCacheTarget
-
-try:
-    import triton.language as tl
-except ImportError:  # CPU-only installs run the reference
-    tl = None
 
 
 @dataclass(frozen=True)
@@ -49,7 +45,7 @@ class QKVLayout:
         return [self.num_heads * self.head_dim] + [kv] * (1 if self.k_eq_v else 2)
 
 
-@_jit
+@jit
 def _qkv_norm_rope_store_kernel(
     qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, slots_ptr, full_to_swa_ptr,
     q_out_ptr, k_buffer_ptr, v_buffer_ptr,
@@ -67,7 +63,7 @@ def _qkv_norm_rope_store_kernel(
     cols = tl.arange(0, HEAD_DIM)
     if slot < NUM_HEADS:
         q_row = qkv_row + slot * HEAD_DIM
-        q = _norm_rope_head(q_row, q_weight_ptr, cos_row, sin_row, q_eps, dtype, HEAD_DIM, True, True)
+        q = norm_rope_head(q_row, q_weight_ptr, cos_row, sin_row, q_eps, dtype, HEAD_DIM, True, True)
         tl.store(q_out_ptr + tok * stride_q_tok + slot * stride_q_head + cols, q.to(dtype))
     else:
         row = tl.load(slots_ptr + tok).to(tl.int64)
@@ -76,14 +72,14 @@ def _qkv_norm_rope_store_kernel(
         if slot < NUM_HEADS + NUM_KV_HEADS:
             head = slot - NUM_HEADS
             k_row = qkv_row + slot * HEAD_DIM
-            k = _norm_rope_head(k_row, k_weight_ptr, cos_row, sin_row, k_eps, dtype, HEAD_DIM, True, True)
+            k = norm_rope_head(k_row, k_weight_ptr, cos_row, sin_row, k_eps, dtype, HEAD_DIM, True, True)
             k_dst = k_buffer_ptr + row * stride_k_row + head * stride_k_head + cols
             tl.store(k_dst, k.to(k_buffer_ptr.dtype.element_ty))
         else:
             head = slot - NUM_HEADS - NUM_KV_HEADS
             source = NUM_HEADS + head if K_EQ_V else slot
             v_row = qkv_row + source * HEAD_DIM
-            v = _norm_rope_head(v_row, v_buffer_ptr, cos_row, sin_row, v_eps, dtype, HEAD_DIM, False, False)
+            v = norm_rope_head(v_row, v_buffer_ptr, cos_row, sin_row, v_eps, dtype, HEAD_DIM, False, False)
             v_dst = v_buffer_ptr + row * stride_v_row + head * stride_v_head + cols
             tl.store(v_dst, v.to(v_buffer_ptr.dtype.element_ty))
 
@@ -102,7 +98,7 @@ def qkv_norm_rope_store_reference(
     """The op-by-op path: split, q and k norm + RoPE, scale-free v norm, K/V written at the slots' rows."""
     tokens, dim = qkv.shape[0], layout.head_dim
     q_raw, k_raw, *v_part = qkv.split(layout.sizes, dim=-1)
-    # the torch math (use_triton=False): the kernel under test shares `_norm_rope_head` with rms_norm_rope's
+    # the torch math (use_triton=False): the kernel under test shares `norm_rope_head` with rms_norm_rope's
     q = rms_norm_rope(q_raw.view(tokens, -1, dim), q_norm.weight, cos, sin, q_norm.eps, use_triton=False)
     k_raw = k_raw.view(tokens, -1, dim)
     v_raw = v_part[0].view(tokens, -1, dim) if v_part else k_raw
@@ -133,13 +129,13 @@ def qkv_norm_rope_store(
     tokens, dim = qkv.shape[0], layout.head_dim
     if qkv.shape[-1] != sum(layout.sizes):
         raise ValueError(f"qkv has {qkv.shape[-1]} columns; the layout needs {sum(layout.sizes)}")
-    if not _runs_triton(qkv.device, use_triton, _qkv_norm_rope_store_kernel):
+    if not runs_triton(qkv.device, use_triton, _qkv_norm_rope_store_kernel):
         return qkv_norm_rope_store_reference(qkv, layout, q_norm, k_norm, v_norm, cos, sin, target, slots)
     if v_norm.with_scale:
         raise ValueError("qkv_norm_rope_store: Gemma 4's v norm is scale-free")
     if dim & (dim - 1):
         raise ValueError(f"qkv_norm_rope_store needs a power-of-two head_dim, got {dim}")
-    qkv, cos, sin = _last_dim_contiguous(qkv), _last_dim_contiguous(cos), _last_dim_contiguous(sin)
+    qkv, cos, sin = last_dim_contiguous(qkv), last_dim_contiguous(cos), last_dim_contiguous(sin)
     q = torch.empty((tokens, layout.num_heads, dim), dtype=qkv.dtype, device=qkv.device)
     k_buffer, v_buffer = target.k_buffer, target.v_buffer
     # the kernel trusts these shapes and strides with raw pointers: a mismatch would write anywhere

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from srt.layers.moe.router import RoutingResult, topk_routing_reference
+from srt.layers.triton_support import is_interpreted
 
 try:
     from srt.layers.moe.triton_kernels import routing as routing_kernel
@@ -20,8 +21,7 @@ except ImportError:  # no triton: the torch reference serves every device
 
 def triton_runs_on(device: torch.device, kernel: object) -> bool:
     """True when `kernel` (a @triton.jit function) can run on tensors of `device`."""
-    interpreted = type(kernel).__name__ == "InterpretedFunction"
-    return (device.type == "cuda") or (device.type == "cpu" and interpreted)
+    return (device.type == "cuda") or (device.type == "cpu" and is_interpreted(kernel))
 
 
 def fused_topk_routing(router_logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int) -> RoutingResult:

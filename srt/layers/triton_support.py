@@ -1,0 +1,76 @@
+"""The Triton plumbing shared by srt's fused kernels (fused_kernels, ple_kernels, qkv_norm_rope_store, ...).
+
+- `triton`, `tl`, `jit`: the modules and `triton.jit`, or None / an identity decorator on CPU-only installs
+  (no triton): the kernels stay plain functions there and the torch references serve every call.
+- `runs_triton`: each wrapper's `use_triton` switch (None: Triton on CUDA, the reference elsewhere).
+- `is_interpreted`: whether a kernel runs under Triton's CPU interpreter (TRITON_INTERPRET=1 set before the
+  kernel's module was imported, as test/conftest.py does).
+- `round_to`: float32 -> a dtype's nearest value, the same on the GPU and in the interpreter.
+- `has_pdl`, `gdc_wait`, `gdc_launch_dependents`: programmatic dependent launch (Hopper, newer Triton).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:  # CPU-only installs: the references serve every call, the kernels stay plain functions
+    triton = None
+    tl = None
+    jit = lambda fn: fn  # noqa: E731
+
+try:  # programmatic dependent launch (newer Triton); without it the kernels launch one after the other
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
+
+def is_interpreted(kernel: object) -> bool:
+    """True when `kernel` is Triton's InterpretedFunction: TRITON_INTERPRET=1 was set before its module was
+    imported, so it runs on CPU tensors (and only there)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def runs_triton(device: torch.device, use_triton: bool | None, kernel: object) -> bool:
+    """Resolve `use_triton` (None: Triton on CUDA, the reference elsewhere) and check that Triton can run."""
+    if use_triton is None:
+        return device.type == "cuda" and triton is not None
+    if use_triton:
+        if triton is None or not (device.type == "cuda" or (device.type == "cpu" and is_interpreted(kernel))):
+            raise RuntimeError(
+                f"use_triton=True cannot run on {device.type}: needs CUDA, or the CPU with TRITON_INTERPRET=1 "
+                "set before srt.layers.fused_kernels was imported"
+            )
+    return use_triton
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself when its last dim is contiguous (the kernels take any row strides), else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@functools.cache
+def has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper and later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@jit
+def round_to(x, DTYPE: tl.constexpr):
+    """float32 `x` rounded to DTYPE (round to nearest even), returned as float32.
+
+    bfloat16 rounds in integer ops: Triton's CPU interpreter truncates float32 -> bfloat16 casts where the GPU
+    rounds, and this keeps the tested path and the GPU path the same code (a few integer ops on registers).
+    """
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
+    else:
+        return x.to(DTYPE).to(tl.float32)
