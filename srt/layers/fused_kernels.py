@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from srt.layers.triton_support import jit, last_dim_contiguous, round_to, runs_triton, tl, triton
+from srt.layers.triton_support import jit, last_dim_contiguous, pdl_launch, pdl_start, round_to, runs_triton, tl, triton
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -85,8 +85,9 @@ def norm_rope_head(
 def _rms_norm_rope_kernel(
     x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr,
     stride_x_tok, stride_x_head, stride_cos_tok, stride_sin_tok, stride_out_tok, stride_out_head, eps,
-    HEAD_DIM: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_WEIGHT: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(USE_PDL)
     # one program per (token, head)
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -132,10 +133,12 @@ def rms_norm_rope(
     x, cos, sin = last_dim_contiguous(x), last_dim_contiguous(cos), last_dim_contiguous(sin)
     out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
     if tokens and heads:
+        launch = pdl_launch(x.device, _rms_norm_rope_kernel)
         _rms_norm_rope_kernel[(tokens, heads)](
             x, weight if weight is not None else x, cos, sin, out,
             x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), out.stride(0), out.stride(1), eps,
-            HEAD_DIM=dim, HAS_WEIGHT=weight is not None, num_warps=max(1, min(4, dim // 128)),
+            HEAD_DIM=dim, HAS_WEIGHT=weight is not None, USE_PDL=bool(launch),
+            num_warps=max(1, min(4, dim // 128)), **launch,
         )  # fmt: skip
     return out
 
@@ -149,7 +152,9 @@ def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, scale_ptr, out_ptr, next_weight_ptr, next_out_ptr,
     stride_x, stride_residual, stride_out, stride_next_out, n_cols, eps, next_eps,
     HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, NEXT_NORM: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -245,14 +250,20 @@ def _add_rms_norm(
     next_out = None if next_weight is None else torch.empty_like(out)
     if tokens:
         block = triton.next_power_of_2(hidden)
+        launch = pdl_launch(x.device, _add_rms_norm_kernel)
         _add_rms_norm_kernel[(tokens,)](
             x, residual, weight if weight is not None else x, scale if scale is not None else x, out,
             next_weight if next_weight is not None else x, next_out if next_out is not None else out,
             x.stride(0), residual.stride(0), out.stride(0), out.stride(0), hidden, eps, next_eps,  # next_out: as out
             HAS_WEIGHT=weight is not None, HAS_SCALE=scale is not None, NEXT_NORM=next_weight is not None,
-            BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            BLOCK=block, USE_PDL=bool(launch), num_warps=add_norm_warps(block), **launch,
         )  # fmt: skip
     return out, next_out
+
+
+def add_norm_warps(block: int) -> int:
+    """Warps of the add + norm kernel for a row of `block` (a power of two) columns."""
+    return min(16, max(1, block // 256))
 
 
 # ---------------------------------------------------------------------------------------------------------

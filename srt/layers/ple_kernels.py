@@ -12,8 +12,9 @@ gelu, and a [ple_dim -> hidden] GEMV (E4B: 2560 -> 256 -> 2560). At decode (1..3
               prologue: sum the partials over s, gelu(.) * per_layer_input for all ple_dim columns (256:
               cheap enough to redo in every CTA), then out[rows, N-block] = gated @ projection_weight[N-block]^T
 
-On Hopper the project kernel is a programmatic dependent launch: it starts while the gate kernel runs, loads
-its weight tile, and waits (griddepcontrol.wait) only before it reads the partials.
+On Hopper both are chained (programmatic dependent launch, `triton_support.pdl_start`): the gate kernel
+behind the residual add before it, and the project kernel starts while the gate kernel runs, loads its
+weight tile, and waits (griddepcontrol.wait) only before it reads the partials.
 
 Two shapes of the same kernels: one row is a plain multiply-and-sum GEMV (`_vector_*`); more rows go in
 blocks of 16 (padded) through tl.dot (`_tile_*`): the padding costs compute but no memory traffic.
@@ -39,12 +40,11 @@ import torch.nn.functional as F
 
 from srt.layers.fused_kernels import gelu_tanh_f32, gelu_tanh_mul, gelu_tanh_mul_reference
 from srt.layers.triton_support import (
-    gdc_launch_dependents,
-    gdc_wait,
-    has_pdl,
     is_interpreted,
     jit,
     last_dim_contiguous,
+    pdl_launch,
+    pdl_start,
     round_to,
     runs_triton,
     tl,
@@ -69,8 +69,8 @@ def _vector_gate_kernel(
     hidden_ptr, weight_ptr, partials_ptr, hidden_size, ple_dim, stride_weight,
     K_PER_SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    if USE_PDL:
-        gdc_launch_dependents()  # the project kernel may start now and fetch its weights while this one runs
+    # chained behind the residual add; the project kernel may start now and fetch its weights meanwhile
+    pdl_start(USE_PDL)
     split = tl.program_id(1)
     p_ids = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     p_mask = p_ids < ple_dim
@@ -97,8 +97,7 @@ def _vector_project_kernel(
     w_offsets = n_ids.to(tl.int64)[:, None] * stride_weight + p_ids[None, :]
     w = tl.load(weight_ptr + w_offsets, mask=n_mask[:, None] & p_mask[None, :], other=0.0)
     ple = tl.load(ple_ptr + p_ids, mask=p_mask, other=0.0)
-    if USE_PDL:
-        gdc_wait()  # launched early: only from here on are the partials written
+    pdl_start(USE_PDL)  # launched early: only from here on are the partials written
     gate = tl.zeros((BLOCK_P,), dtype=tl.float32)
     for split in tl.static_range(SPLIT_K):  # a fixed order: deterministic; unrolled: the loads overlap
         gate += tl.load(partials_ptr + split * ple_dim + p_ids, mask=p_mask, other=0.0)
@@ -117,8 +116,7 @@ def _tile_gate_kernel(
     K_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    if USE_PDL:
-        gdc_launch_dependents()
+    pdl_start(USE_PDL)
     split = tl.program_id(1)
     row_ids = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     p_ids = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -154,8 +152,7 @@ def _tile_project_kernel(
     w_mask = (n_ids < hidden_size)[:, None] & (p_ids < ple_dim)[None, :]
     w = tl.load(weight_ptr + w_offsets, mask=w_mask, other=0.0)  # before the wait: overlaps the gate kernel
     ple = tl.load(ple_ptr + row_ids64[:, None] * stride_ple + p_ids[None, :], mask=rp_mask, other=0.0)
-    if USE_PDL:
-        gdc_wait()
+    pdl_start(USE_PDL)
     # a rolled loop: unrolled, the SPLIT_K [BLOCK_T, BLOCK_P] tiles spill registers
     gate = tl.zeros((BLOCK_T, BLOCK_P), dtype=tl.float32)
     for split in range(SPLIT_K):
@@ -241,8 +238,8 @@ def per_layer_input_projection(
     # not drop to TF32 on the tensor cores: the Linear it replaces runs in full float32.
     interpreted = is_interpreted(_tile_gate_kernel)
     precision = "ieee" if interpreted or hidden.dtype == torch.float32 else "tf32"
-    pdl = gdc_wait is not None and not interpreted and has_pdl(hidden.device)
-    launch_pdl = {"launch_pdl": True} if pdl else {}
+    launch_pdl = pdl_launch(hidden.device, _tile_gate_kernel)
+    pdl = bool(launch_pdl)
     # K in whole gate_block_k steps, spread over at most tiles.splits chunks (the last one may be short)
     k_steps = triton.cdiv(hidden_size, tiles.gate_block_k)
     k_per_split = triton.cdiv(k_steps, min(tiles.splits, k_steps)) * tiles.gate_block_k
@@ -254,7 +251,7 @@ def per_layer_input_projection(
         _vector_gate_kernel[(p_blocks, splits)](
             hidden, gate_weight, partials, hidden_size, ple_dim, gate_weight.stride(0),
             K_PER_SPLIT=k_per_split, BLOCK_P=tiles.gate_block_p, BLOCK_K=tiles.gate_block_k, USE_PDL=pdl,
-            num_warps=4,
+            num_warps=4, **launch_pdl,
         )  # fmt: skip
         _vector_project_kernel[(n_blocks,)](
             partials, per_layer_input, projection_weight, out, hidden_size, ple_dim, projection_weight.stride(0),
@@ -267,7 +264,7 @@ def per_layer_input_projection(
     _tile_gate_kernel[(p_blocks, splits, row_blocks)](
         hidden, gate_weight, partials, rows, hidden_size, ple_dim, hidden.stride(0), gate_weight.stride(0),
         K_PER_SPLIT=k_per_split, BLOCK_T=block_t, BLOCK_P=tiles.gate_block_p, BLOCK_K=tiles.gate_block_k,
-        PRECISION=precision, UPCAST=interpreted, USE_PDL=pdl, num_warps=4,
+        PRECISION=precision, UPCAST=interpreted, USE_PDL=pdl, num_warps=4, **launch_pdl,
     )  # fmt: skip
     _tile_project_kernel[(n_blocks, row_blocks)](
         partials, per_layer_input, projection_weight, out, rows, hidden_size, ple_dim,

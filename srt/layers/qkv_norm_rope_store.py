@@ -25,7 +25,7 @@ import torch
 
 from srt.layers.fused_kernels import norm_rope_head, rms_norm_rope
 from srt.layers.layernorm import RMSNorm
-from srt.layers.triton_support import jit, last_dim_contiguous, runs_triton, tl
+from srt.layers.triton_support import jit, last_dim_contiguous, pdl_launch, pdl_start, runs_triton, tl
 from srt.mem_cache.allocator import debug_kv_indices
 from srt.mem_cache.kv_pool import KVCacheTarget
 
@@ -52,8 +52,9 @@ def _qkv_norm_rope_store_kernel(
     stride_qkv, stride_cos, stride_sin, stride_q_tok, stride_q_head, stride_k_row, stride_k_head,
     stride_v_row, stride_v_head, q_eps, k_eps, v_eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, K_EQ_V: tl.constexpr,
-    SLIDING: tl.constexpr,
+    SLIDING: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
+    pdl_start(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.program_id(1)
     qkv_row = qkv_ptr + tok * stride_qkv
@@ -148,12 +149,13 @@ def qkv_norm_rope_store(
         target.rows(slots)  # checks every row is inside the buffers
     if tokens:
         sliding = target.full_to_swa is not None
+        launch = pdl_launch(qkv.device, _qkv_norm_rope_store_kernel)
         _qkv_norm_rope_store_kernel[(tokens, layout.num_heads + 2 * layout.num_kv_heads)](
             qkv, q_norm.weight, k_norm.weight, cos, sin, slots, target.full_to_swa if sliding else slots,
             q, k_buffer, v_buffer,
             qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1), k_buffer.stride(0),
             k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), q_norm.eps, k_norm.eps, v_norm.eps,
             NUM_HEADS=layout.num_heads, NUM_KV_HEADS=layout.num_kv_heads, HEAD_DIM=dim, K_EQ_V=layout.k_eq_v,
-            SLIDING=sliding, num_warps=max(1, min(4, dim // 128)),
+            SLIDING=sliding, USE_PDL=bool(launch), num_warps=max(1, min(4, dim // 128)), **launch,
         )  # fmt: skip
     return q

@@ -6,12 +6,14 @@
 - `is_interpreted`: whether a kernel runs under Triton's CPU interpreter (TRITON_INTERPRET=1 set before the
   kernel's module was imported, as test/conftest.py does).
 - `round_to`: float32 -> a dtype's nearest value, the same on the GPU and in the interpreter.
-- `has_pdl`, `gdc_wait`, `gdc_launch_dependents`: programmatic dependent launch (Hopper, newer Triton).
+- `has_pdl`, `gdc_wait`, `gdc_launch_dependents`: programmatic dependent launch (Hopper, newer Triton);
+  `pdl_launch` and `pdl_start`: the launch option and the in-kernel prologue of a chained kernel.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -59,6 +61,29 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 def has_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: Hopper and later."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+# Chained kernels (SRT_PDL=0 turns the chaining off, for A/B runs): a kernel launched with `pdl_launch`'s
+# option may start while the kernel ahead of it still runs; its CTAs get resident and wait in `pdl_start`
+# until that kernel has finished and its writes are visible, so the launch latency hides behind the previous
+# kernel. `pdl_start` must come before the kernel's first load or store (the wait also orders its writes
+# after the previous kernel's reads).
+PDL_ENABLED = os.environ.get("SRT_PDL", "1") != "0"
+
+
+def pdl_launch(device: torch.device, kernel: object) -> dict[str, bool]:
+    """The launch keyword of a chained kernel: {"launch_pdl": True} where PDL runs, else {}; the kernel's
+    USE_PDL constexpr is `bool(pdl_launch(...))`."""
+    chained = PDL_ENABLED and gdc_wait is not None and not is_interpreted(kernel) and has_pdl(device)
+    return {"launch_pdl": True} if chained else {}
+
+
+@jit
+def pdl_start(USE_PDL: tl.constexpr):
+    """A chained kernel's first statement: wait for the kernel ahead, then let the next one launch."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @jit

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from srt.layers.attention.triton_kernels.paged_kv import LOG2E, dot_precision, kv_slots, row_kv_bounds
+from srt.layers.triton_support import pdl_launch, pdl_start
 
 MAX_KV_SPLITS = 64
 
@@ -90,7 +91,9 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -158,7 +161,9 @@ def _decode_combine_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SLIDING: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     kv_start, kv_end = row_kv_bounds(tl.load(positions_ptr + row), tl.load(row_seq_lens_ptr + row), window, SLIDING)
@@ -214,6 +219,7 @@ def decode_attention(
     sliding = sliding_window is not None
     window = sliding_window or 0
     part_o, part_lse = partials if num_splits > 1 else (out, out)
+    launch = pdl_launch(q.device, _decode_split_kernel)
     _decode_split_kernel[(num_rows, kv_heads, num_splits)](
         q,
         out,
@@ -244,8 +250,10 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         SLIDING=sliding,
         DOT_PRECISION=dot_precision(q.dtype == torch.float32),
+        USE_PDL=bool(launch),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **launch,
     )
     if num_splits == 1:
         return
@@ -263,5 +271,7 @@ def decode_attention(
         BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits,
         SLIDING=sliding,
+        USE_PDL=bool(launch),
         num_warps=4,
+        **launch,
     )
