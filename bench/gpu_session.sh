@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in as few device calls as possible:
 #
-#     bash bench/gpu_session.sh STAGE...      (stages: tests decode prefill yoco moe serving profile)
+#     bash bench/gpu_session.sh STAGE...      (stages: tests decode yoco skinny norm moe serving profile)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
 # serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
@@ -45,6 +45,15 @@ stage_yoco() {  # YOCO on/off, side by side in one process
                 --yoco-ab --repeats 5 --json "$RESULTS/yoco-$model-$shape.json"
         done
     done
+}
+
+stage_skinny() {  # decode-sized projections: cuBLAS vs the Triton skinny GEMM (SKINNY_ARGS, e.g. --sweep)
+    timeout ${SKINNY_TIMEOUT:-300} python3 bench/bench_skinny_gemm.py ${SKINNY_ARGS:---models E4B E2B} \
+        --json "$RESULTS/skinny-gemm.json"
+}
+
+stage_norm() {  # warps of the residual add + norm kernel
+    timeout 200 python3 bench/tune_add_rms_norm.py --json "$RESULTS/tune-add-rms-norm.json"
 }
 
 stage_moe() {

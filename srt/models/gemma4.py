@@ -34,7 +34,6 @@ from srt.layers.attention.base import AttentionBackend
 from srt.layers.fused_kernels import (
     add_rms_norm,
     add_rms_norm_then_norm,
-    gelu_tanh_mul_packed,
     rms_norm_rope,
 )
 from srt.layers.layernorm import RMSNorm
@@ -44,6 +43,7 @@ from srt.layers.moe.router import Router
 from srt.layers.ple_kernels import per_layer_input_projection
 from srt.layers.qkv_norm_rope_store import QKVLayout, qkv_norm_rope_store
 from srt.layers.rotary import RotaryEmbedding
+from srt.layers.skinny_gemm import skinny_linear
 from srt.model_executor.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -160,7 +160,8 @@ class Gemma4MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             raise RuntimeError("Gemma4MLP runs after fuse_projections() (load_model calls it)")
-        return self.down_proj(gelu_tanh_mul_packed(self.gate_up_proj(x)))
+        # gelu * up: folded into the gate_up GEMV at decode sizes on GPU, else the fused kernel after cuBLAS
+        return self.down_proj(skinny_linear(x, self.gate_up_proj.weight, gated=True))
 
 
 class Gemma4DecoderLayer(nn.Module):
