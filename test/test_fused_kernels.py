@@ -29,6 +29,7 @@ from srt.layers.fused_kernels import (  # noqa: E402
     rms_norm_rope_reference,
 )
 from srt.layers.layernorm import RMSNorm  # noqa: E402
+from srt.layers.logits_processor import softcap_logits, softcap_logits_reference  # noqa: E402
 from srt.layers.rotary import apply_rotary  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -320,3 +321,13 @@ def test_gpu_real_sizes_bf16_under_a_cuda_graph() -> None:
     )
     expected = gelu_tanh_mul_reference(*gate_up.chunk(2, dim=-1)).float()
     torch.testing.assert_close(gated.float(), expected, rtol=2**-7, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcap_logits_matches_torch(dtype: torch.dtype) -> None:
+    """The one-pass softcap (tanh from exp, Taylor series near 0) against torch.tanh, over small to huge logits."""
+    logits = torch.cat([torch.randn(3, 1000) * scale for scale in (1e-3, 1.0, 30.0, 1e4)], dim=1).to(DEVICE, dtype)
+    got = softcap_logits(logits, 30.0, use_triton=True)
+    expected = softcap_logits_reference(logits, 30.0)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=2e-6)
