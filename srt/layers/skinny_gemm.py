@@ -10,9 +10,10 @@ One row is a multiply-and-sum GEMV; more rows go through tl.dot with the rows pa
 here, memory is not). The kernel is chained (programmatic dependent launch, `triton_support.pdl_start`).
 
 bench/bench_skinny_gemm.py compares it with cuBLAS at every projection shape, with a tile sweep. On an H100
-(E4B, weights from HBM) it beats cuBLAS + gelu only for gate_up: 1.11x at 8 rows, 1.01-1.02x at 1 and 32,
-so `skinny_linear` runs it there and cuBLAS everywhere else; q/o/qkv/down were no faster (0.9-1.03x, cuBLAS already
-streams them at 1.4-2.5 TB/s). `SRT_SKINNY_GEMM=0` turns it off for A/B runs.
+(E4B, weights from HBM) it beats cuBLAS + gelu only for gate_up: 1.11x at 8 rows, 1.01-1.02x at 1 and 32;
+in the whole E4B decode step it gained at 1 row and lost 1% at 32, so `skinny_linear` runs it for gate_up
+up to 16 rows and cuBLAS everywhere else. q/o/qkv/down were no faster (0.9-1.03x: cuBLAS already streams
+them at 1.4-2.5 TB/s). `SRT_SKINNY_GEMM=0` turns it off for A/B runs.
 """
 
 from __future__ import annotations
@@ -97,13 +98,11 @@ def _skinny_kernel(
 
 def tuned_config(rows: int, n: int, k: int, gated: bool) -> SkinnyConfig | None:
     """The kernel's tiles where it beats cuBLAS (the H100 sweep of bench/bench_skinny_gemm.py), else None."""
-    if not gated:
+    if not gated or rows > 16:  # 32 rows: 1.02x alone, yet the E4B decode step was 1% slower with it
         return None
     if rows == 1:
         return SkinnyConfig(block_n=64, block_k=128, num_warps=4, num_stages=5)
-    if rows <= 16:
-        return SkinnyConfig(block_n=32, block_k=128, num_warps=4, num_stages=3)
-    return SkinnyConfig(block_n=64, block_k=256, num_warps=4, num_stages=3)
+    return SkinnyConfig(block_n=32, block_k=128, num_warps=4, num_stages=3)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig) -> bool:
