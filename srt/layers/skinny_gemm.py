@@ -12,8 +12,9 @@ here, memory is not). The kernel is chained (programmatic dependent launch, `tri
 bench/bench_skinny_gemm.py compares it with cuBLAS at every projection shape, with a tile sweep. On an H100
 (E4B, weights from HBM) it beats cuBLAS + gelu only for gate_up: 1.11x at 8 rows, 1.01-1.02x at 1 and 32;
 in the whole E4B decode step it gained at 1 row and lost 1% at 32, so `skinny_linear` runs it for gate_up
-up to 16 rows and cuBLAS everywhere else. q/o/qkv/down were no faster (0.9-1.03x: cuBLAS already streams
-them at 1.4-2.5 TB/s). `SRT_SKINNY_GEMM=0` turns it off for A/B runs.
+up to 16 rows where the MLP is wide enough for MIN_CTAS column blocks, and cuBLAS everywhere else.
+q/o/qkv/down were no faster (0.9-1.03x: cuBLAS already streams them at 1.4-2.5 TB/s). `SRT_SKINNY_GEMM=0`
+turns it off for A/B runs.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from srt.layers.triton_support import (
 )
 
 MAX_ROWS = 32  # decode batch sizes; prefill runs cuBLAS
+MIN_CTAS = 128  # E4B's gate_up (I = 10240) runs 160 or 320 CTAs
 ENABLED = os.environ.get("SRT_SKINNY_GEMM", "1") != "0"  # kill switch for A/B runs: 0 runs cuBLAS + gelu
 
 
@@ -101,8 +103,12 @@ def tuned_config(rows: int, n: int, k: int, gated: bool) -> SkinnyConfig | None:
     if not gated or rows > 16:  # 32 rows: 1.02x alone, yet the E4B decode step was 1% slower with it
         return None
     if rows == 1:
-        return SkinnyConfig(block_n=64, block_k=128, num_warps=4, num_stages=5)
-    return SkinnyConfig(block_n=32, block_k=128, num_warps=4, num_stages=3)
+        config = SkinnyConfig(block_n=64, block_k=128, num_warps=4, num_stages=5)
+    else:
+        config = SkinnyConfig(block_n=32, block_k=128, num_warps=4, num_stages=3)
+    # one CTA per column block: narrow MLPs (26B-A4B's 2112) would leave most SMs idle (its decode step was
+    # 6% slower with them)
+    return config if triton.cdiv(n, config.block_n) >= MIN_CTAS else None
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig) -> bool:
