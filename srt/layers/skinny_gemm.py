@@ -108,7 +108,7 @@ def tuned_config(rows: int, n: int, k: int, gated: bool) -> SkinnyConfig | None:
         config = SkinnyConfig(block_n=32, block_k=128, num_warps=4, num_stages=3)
     # one CTA per column block: narrow MLPs (26B-A4B's 2112) would leave most SMs idle (its decode step was
     # 6% slower with them)
-    return config if triton.cdiv(n, config.block_n) >= MIN_CTAS else None
+    return config if -(-n // config.block_n) >= MIN_CTAS else None  # (no triton.cdiv: CPU-only installs)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig) -> bool:
