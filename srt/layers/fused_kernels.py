@@ -274,9 +274,16 @@ def add_norm_warps(block: int) -> int:
 def gelu_tanh_f32(x):
     """gelu(x, approximate="tanh") of float32 `x`: 0.5 * (1 + tanh(z)) == sigmoid(2z), so no tanh is needed
     and there is no cancellation for negative z (the clamp only keeps exp finite: gelu is ~1e-35 * x there
-    either way). Shared by the kernels that fuse gelu into something else."""
+    either way)."""
     inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2 / pi) * (...)
     return x / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 80.0)))
+
+
+@jit
+def gelu_tanh_mul_rounded(gate, up, DTYPE: tl.constexpr):
+    """gelu_tanh(gate) * up of float32 values already rounded to DTYPE, rounded where torch rounds: gelu's
+    output, then the product. Shared by every kernel that computes the MLP's or the PLE block's gelu * mul."""
+    return round_to(round_to(gelu_tanh_f32(gate), DTYPE) * up, DTYPE)
 
 
 @jit
@@ -289,9 +296,8 @@ def _gelu_tanh_mul_kernel(
     mask = cols < n_cols
     gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    gelu = gelu_tanh_f32(gate)
     dtype = out_ptr.dtype.element_ty
-    out = round_to(round_to(gelu, dtype) * up, dtype)  # torch rounds gelu's output before the product
+    out = gelu_tanh_mul_rounded(gate, up, dtype)
     tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)
 
 

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from srt.layers.fused_kernels import gelu_tanh_f32, gelu_tanh_mul, gelu_tanh_mul_reference
+from srt.layers.fused_kernels import gelu_tanh_mul, gelu_tanh_mul_reference, gelu_tanh_mul_rounded
 from srt.layers.triton_support import (
     is_interpreted,
     jit,
@@ -57,7 +57,7 @@ MAX_ROWS = 32  # decode batches; the kernels still win at 64 rows, and lose at 1
 @jit
 def _gated(gate, ple, DTYPE: tl.constexpr):
     """gelu_tanh(gate) * ple from the gate GEMV's float32 sum, rounded to DTYPE where torch rounds."""
-    return round_to(round_to(gelu_tanh_f32(round_to(gate, DTYPE)), DTYPE) * ple.to(tl.float32), DTYPE)
+    return gelu_tanh_mul_rounded(round_to(gate, DTYPE), ple.to(tl.float32), DTYPE)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from srt.layers.fused_kernels import gelu_tanh_f32, gelu_tanh_mul_packed
+from srt.layers.fused_kernels import gelu_tanh_mul_packed, gelu_tanh_mul_rounded
 from srt.layers.triton_support import (
     is_interpreted,
     jit,
@@ -91,7 +91,7 @@ def _skinny_kernel(
                 up = tl.dot(x, tl.trans(u), up, input_precision=PRECISION)
     dtype = out_ptr.dtype.element_ty
     if GATED:
-        out = round_to(round_to(gelu_tanh_f32(round_to(acc, dtype)), dtype) * round_to(up, dtype), dtype)
+        out = gelu_tanh_mul_rounded(round_to(acc, dtype), round_to(up, dtype), dtype)
     else:
         out = round_to(acc, dtype)
     mask = (rows < M)[:, None] & col_ok[None, :]

@@ -47,7 +47,7 @@ def runs_triton(device: torch.device, use_triton: bool | None, kernel: object) -
         if triton is None or not (device.type == "cuda" or (device.type == "cpu" and is_interpreted(kernel))):
             raise RuntimeError(
                 f"use_triton=True cannot run on {device.type}: needs CUDA, or the CPU with TRITON_INTERPRET=1 "
-                "set before srt.layers.fused_kernels was imported"
+                "set before the kernel's module was imported"
             )
     return use_triton
 
