@@ -36,19 +36,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from srt.layers.triton_support import (
-    L2Prefetch,
-    jit,
-    l2_prefetch_args,
-    last_dim_contiguous,
-    pdl_launch,
-    pdl_start,
-    prefetch_l2,
-    round_to,
-    runs_triton,
-    tl,
-    triton,
-)
+from srt.layers.triton_support import jit, last_dim_contiguous, pdl_launch, pdl_start, round_to, runs_triton, tl, triton
 
 
 def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -163,12 +151,9 @@ def rms_norm_rope(
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, scale_ptr, out_ptr, next_weight_ptr, next_out_ptr,
     stride_x, stride_residual, stride_out, stride_next_out, n_cols, eps, next_eps,
-    prefetch_ptr, prefetch_rows, prefetch_stride, prefetch_lines,
     HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, NEXT_NORM: tl.constexpr, BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr, PREFETCH_BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    # the next GEMM's weights, requested while this kernel (and the one ahead of it) runs
-    prefetch_l2(prefetch_ptr, prefetch_rows, prefetch_stride, prefetch_lines, PREFETCH, PREFETCH_BLOCK)
     pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -217,16 +202,14 @@ def add_rms_norm(
     eps: float,
     scale: torch.Tensor | None = None,
     use_triton: bool | None = None,
-    prefetch: L2Prefetch | None = None,
 ) -> torch.Tensor:
     """(residual + RMSNorm(x) * weight) * scale as a new [tokens, hidden] tensor in residual's dtype.
 
     x, residual: [tokens, hidden] of one dtype, any row strides (contiguous last dim). weight: [hidden] or
     None. scale: a 1-element tensor (the layer scalar, read on the device: graph-safe) or None. The norm
     output, the sum and the scaled sum are each rounded to the dtype, as the op-by-op torch code rounds them.
-    `prefetch`: the next GEMM's weight, asked of L2 meanwhile (a hint: the result does not depend on it).
     """
-    return _add_rms_norm(x, residual, weight, eps, scale, None, 0.0, use_triton, prefetch)[0]
+    return _add_rms_norm(x, residual, weight, eps, scale, None, 0.0, use_triton)[0]
 
 
 def add_rms_norm_then_norm(
@@ -238,11 +221,10 @@ def add_rms_norm_then_norm(
     next_eps: float,
     scale: torch.Tensor | None = None,
     use_triton: bool | None = None,
-    prefetch: L2Prefetch | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rms_norm` and the next RMSNorm (weight `next_weight`) of its result, in one kernel:
     (summed, RMSNorm(summed)). E.g. a layer's last residual add, then the next layer's input norm."""
-    summed, normed = _add_rms_norm(x, residual, weight, eps, scale, next_weight, next_eps, use_triton, prefetch)
+    summed, normed = _add_rms_norm(x, residual, weight, eps, scale, next_weight, next_eps, use_triton)
     assert normed is not None  # a next weight was given
     return summed, normed
 
@@ -256,7 +238,6 @@ def _add_rms_norm(
     next_weight: torch.Tensor | None,
     next_eps: float,
     use_triton: bool | None,
-    prefetch: L2Prefetch | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if x.shape != residual.shape or x.dtype != residual.dtype:
         raise ValueError(f"add_rms_norm: x {x.dtype}{list(x.shape)} vs residual {residual.dtype}{list(residual.shape)}")
@@ -269,17 +250,13 @@ def _add_rms_norm(
     next_out = None if next_weight is None else torch.empty_like(out)
     if tokens:
         block = triton.next_power_of_2(hidden)
-        warps = add_norm_warps(block)
         launch = pdl_launch(x.device, _add_rms_norm_kernel)
-        prefetch_ptr, *prefetch_shape, prefetching = l2_prefetch_args(prefetch, _add_rms_norm_kernel)
         _add_rms_norm_kernel[(tokens,)](
             x, residual, weight if weight is not None else x, scale if scale is not None else x, out,
             next_weight if next_weight is not None else x, next_out if next_out is not None else out,
             x.stride(0), residual.stride(0), out.stride(0), out.stride(0), hidden, eps, next_eps,  # next_out: as out
-            prefetch_ptr if prefetching else x, *prefetch_shape,
             HAS_WEIGHT=weight is not None, HAS_SCALE=scale is not None, NEXT_NORM=next_weight is not None,
-            BLOCK=block, USE_PDL=bool(launch), PREFETCH=prefetching, PREFETCH_BLOCK=32 * warps, num_warps=warps,
-            **launch,
+            BLOCK=block, USE_PDL=bool(launch), num_warps=add_norm_warps(block), **launch,
         )  # fmt: skip
     return out, next_out
 

@@ -8,14 +8,12 @@
 - `round_to`: float32 -> a dtype's nearest value, the same on the GPU and in the interpreter.
 - `has_pdl`, `gdc_wait`, `gdc_launch_dependents`: programmatic dependent launch (Hopper, newer Triton);
   `pdl_launch` and `pdl_start`: the launch option and the in-kernel prologue of a chained kernel.
-- `L2Prefetch`, `l2_prefetch_args`, `prefetch_l2`: a latency-bound kernel asks L2 for the next GEMM's weights.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import NamedTuple
 
 import torch
 
@@ -101,55 +99,3 @@ def round_to(x, DTYPE: tl.constexpr):
         return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
     else:
         return x.to(DTYPE).to(tl.float32)
-
-
-# L2 prefetch (SRT_L2_PREFETCH=0 turns it off, for A/B runs). At decode the small kernels between two GEMMs
-# (a residual add + norm, the attention's combine, the gelu) are latency bound and leave HBM idle. Before its
-# own work such a kernel asks L2 for the bytes the GEMM after it reads first, so that GEMM starts with part of
-# its weight on chip: all of a small weight (q, o, qkv), or the leading K-columns of every row of a large one
-# (a one-wave GEMM streams every row from k = 0 at once). A prefetch is a hint: no register, no wait, no fault.
-L2_PREFETCH_ENABLED = os.environ.get("SRT_L2_PREFETCH", "1") != "0"
-L2_LINE_BYTES = 128  # prefetch_l2 spells it out: a jit function reads no plain module globals
-
-
-class L2Prefetch(NamedTuple):
-    """The leading `row_bytes` of every row of `weight` (a 2-D tensor with a contiguous last dim); None: all."""
-
-    weight: torch.Tensor
-    row_bytes: int | None = None
-
-
-def l2_prefetch_args(prefetch: L2Prefetch | None, kernel: object) -> tuple[torch.Tensor | None, int, int, int, bool]:
-    """(pointer, rows, row stride in bytes, lines per row, PREFETCH constexpr) for `prefetch_l2`; a prefetch
-    runs only on CUDA builds of the kernel (the interpreter has no inline PTX) and when not switched off."""
-    if prefetch is None or not L2_PREFETCH_ENABLED or is_interpreted(kernel) or prefetch.weight.device.type != "cuda":
-        return None, 0, 0, 0, False
-    weight = prefetch.weight
-    row_bytes = weight.shape[-1] * weight.element_size()
-    if prefetch.row_bytes is not None:
-        row_bytes = min(row_bytes, prefetch.row_bytes)
-    lines = -(-row_bytes // L2_LINE_BYTES)
-    return weight, weight.shape[0], weight.stride(0) * weight.element_size(), lines, lines > 0
-
-
-@jit
-def prefetch_l2(ptr, rows, row_stride, lines_per_row, PREFETCH: tl.constexpr, BLOCK: tl.constexpr):
-    """Ask L2 for `lines_per_row` 128-byte lines from the start of each of `rows` rows at `ptr` (`row_stride`
-    bytes apart), this program's share of them: call it before `pdl_start`, with the grid's programs
-    splitting the lines and BLOCK (e.g. 32 * num_warps) lines per instruction."""
-    if PREFETCH:
-        base = ptr.to(tl.pointer_type(tl.int8))
-        program = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        total = rows * lines_per_row
-        share = tl.cdiv(total, programs)
-        first = program * share
-        last = tl.minimum(first + share, total)
-        for start in range(first, last, BLOCK):
-            line = start + tl.arange(0, BLOCK)
-            row = (line // lines_per_row).to(tl.int64)
-            address = base + row * row_stride + (line % lines_per_row) * 128
-            address = tl.where(line < last, address, base)
-            tl.inline_asm_elementwise(
-                "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [address], dtype=tl.int32, is_pure=False, pack=1
-            )
