@@ -8,6 +8,10 @@ max abs error of triton (bf16) and of torch_native (bf16) against torch_native o
 bf16 KV, and median times (CUDA events, L2 flushed before each call: `timing.time_cuda`) of both backends'
 `forward` without the KV write; decode also as a CUDA graph replay (what the decode loop runs). `--sweep` times
 other block shapes of the kernels. Results go to --json, or to $OUT/bench_attention.json when $OUT is set.
+
+`--chain` times decode only, as the step runs it: one CUDA graph of CHAIN_LAYERS back-to-back calls per layer
+type, each over its own layer's KV (more bytes than L2 holds), so chained kernels overlap their neighbours and
+nothing is flushed between calls; it prints microseconds per call and the KV bandwidth.
 """
 
 from __future__ import annotations
@@ -65,12 +69,17 @@ DECODE_SWEEP = {
 }
 
 
-def build_batch(mode: ForwardMode, requests: list[tuple[int, int]]) -> ForwardBatch:
+CHAIN_LAYERS = 8
+
+
+def build_batch(
+    mode: ForwardMode, requests: list[tuple[int, int]], layers: tuple[AttentionLayerSpec, ...] = LAYERS
+) -> ForwardBatch:
     """Pools holding random bf16 KV for every token of every request, and the batch of their new tokens."""
     device = torch.device("cuda")
     total = sum(c + n for c, n in requests)
     allocator = SWATokenAllocator(total, total, device)
-    pool = HybridKVPool(LAYERS, allocator, torch.bfloat16, device)
+    pool = HybridKVPool(layers, allocator, torch.bfloat16, device)
     req_to_token = ReqToTokenPool(len(requests), max(c + n for c, n in requests) + 1, device)
     rows, new_slots = [], []
     for cached, new in requests:
@@ -79,7 +88,7 @@ def build_batch(mode: ForwardMode, requests: list[tuple[int, int]]) -> ForwardBa
         req_to_token.write(row, 0, slots)
         rows.append(row)
         new_slots.append(slots[cached:])
-    for spec in LAYERS:
+    for spec in layers:
         k, v = pool.kv_buffers(spec.layer_id)
         k.normal_()
         v.normal_()
@@ -199,6 +208,33 @@ def sweep_configs(spec: AttentionLayerSpec, q: torch.Tensor, batch: ForwardBatch
     return rows
 
 
+def run_chain(name: str, requests: list[tuple[int, int]]) -> list[dict]:
+    """Per-call time of CHAIN_LAYERS chained decode calls of each layer type, each over its own KV."""
+    layers = tuple(
+        dataclasses.replace(spec, layer_id=index, kv_owner=index)
+        for index, spec in enumerate(spec for spec in LAYERS for _ in range(CHAIN_LAYERS))
+    )
+    batch = build_batch(ForwardMode.DECODE, requests, layers)
+    backend = create_attention_backend("triton")
+    batch = with_metadata(backend, batch)
+    results = []
+    for base in LAYERS:
+        chain = [spec for spec in layers if spec.layer_type == base.layer_type]
+        q = torch.randn(batch.num_tokens, HEADS, base.head_dim, device="cuda", dtype=torch.bfloat16)
+
+        def calls(chain=chain, q=q) -> None:
+            for spec in chain:
+                backend.forward(q, None, None, spec, batch, save_kv=False)
+
+        us = 1e6 * time_cuda(calls, warmup=5, repeats=50, use_graph=True) / len(chain)
+        kv_bytes = kv_tokens_read(requests, base.sliding_window) * KV_HEADS * base.head_dim * 2 * 2
+        record = {"case": f"chain {name}", "layer": f"{base.layer_type} d{base.head_dim}", "us_per_call": us,
+                  "GBps": kv_bytes / us / 1e3}  # fmt: skip
+        print(f"chain {name:20} {record['layer']:22} {us:8.2f} us/call {record['GBps']:8.0f} GB/s", flush=True)
+        results.append(record)
+    return results
+
+
 def _time_variant(label: str, call, out: torch.Tensor, exact: torch.Tensor) -> dict:
     try:
         out.fill_(float("nan"))
@@ -214,6 +250,7 @@ def _time_variant(label: str, call, out: torch.Tensor, exact: torch.Tensor) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="Also time other block shapes of the kernels.")
+    parser.add_argument("--chain", action="store_true", help="Only decode, as chained calls over distinct layers.")
     parser.add_argument("--json", type=Path, help="Where to write the results (default $OUT/bench_attention.json).")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -221,6 +258,9 @@ def main() -> None:
     torch.manual_seed(0)
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+    if args.chain:
+        results = [r for name, mode, requests in CASES if mode.is_decode() for r in run_chain(name, requests)]
+        return write_results(args.json, props, results)
     results = []
     for name, mode, requests in CASES:
         print(f"== {name}", flush=True)
@@ -238,7 +278,11 @@ def main() -> None:
             f"{r['torch_native_ms']:10.3f} {r['torch_native_ms'] / best:7.1f}x "
             f"{r['triton_max_abs_err']:11.2e} {r['torch_native_bf16_max_abs_err']:11.2e} {rate:>14}"
         )
-    path = args.json or (Path(os.environ["OUT"]) / "bench_attention.json" if os.environ.get("OUT") else None)
+    write_results(args.json, props, results)
+
+
+def write_results(path: Path | None, props, results: list[dict]) -> None:
+    path = path or (Path(os.environ["OUT"]) / "bench_attention.json" if os.environ.get("OUT") else None)
     if path:
         payload = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__, "results": results}
         path.write_text(json.dumps(payload, indent=1))

@@ -93,10 +93,11 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # positions, lengths and slot tables are written before the step's graph runs, so they are read before
+    # waiting for the kernel ahead (whose q and, on KV-owning layers, new K/V come after the wait)
     pos = tl.load(positions_ptr + row)
     kv_start, kv_end = row_kv_bounds(pos, tl.load(row_seq_lens_ptr + row), window, SLIDING)
     split_len = _split_len(kv_start, kv_end, NUM_SPLITS, BLOCK_N)
@@ -109,6 +110,8 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     h_ok = offs_h < GROUP
     heads = kv_head * GROUP + offs_h
+    slot = kv_slots(req_to_token_row, full_to_swa_ptr, lo + offs_n, lo + offs_n < hi, SLIDING)
+    pdl_start(USE_PDL)
     q = tl.load(
         q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None], other=0.0
     ).to(k_ptr.dtype.element_ty)
@@ -117,10 +120,12 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        kv_pos = start + offs_n
-        kv_ok = kv_pos < hi
-        slot = kv_slots(req_to_token_row, full_to_swa_ptr, kv_pos, kv_ok, SLIDING)
+        kv_ok = start + offs_n < hi
+        # K and V of this block, then the next block's slots: three loads in flight, none waiting on math
         k = tl.load(k_ptr + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None])
+        v = tl.load(v_ptr + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :])
+        next_pos = start + BLOCK_N + offs_n
+        slot = kv_slots(req_to_token_row, full_to_swa_ptr, next_pos, next_pos < hi, SLIDING)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * LOG2E
         qk = tl.where(kv_ok[None, :], qk, float("-inf"))
         # every block holds at least one visible position, so the running max is finite from the first on
@@ -128,7 +133,6 @@ def _decode_split_kernel(
         p = tl.exp2(qk - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :])
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -163,13 +167,13 @@ def _decode_combine_kernel(
     SLIDING: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     kv_start, kv_end = row_kv_bounds(tl.load(positions_ptr + row), tl.load(row_seq_lens_ptr + row), window, SLIDING)
     split_len = _split_len(kv_start, kv_end, NUM_SPLITS, BLOCK_N)
     # splits past the last one that holds KV wrote nothing worth reading
     active = tl.cdiv(tl.maximum(kv_end - kv_start, 0), tl.maximum(split_len, 1))
+    pdl_start(USE_PDL)  # the partials come from the kernel ahead; the metadata above does not
 
     base = (row * num_heads + head) * NUM_SPLITS
     offs_s = tl.arange(0, NUM_SPLITS)
