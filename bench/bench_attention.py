@@ -11,7 +11,8 @@ other block shapes of the kernels. Results go to --json, or to $OUT/bench_attent
 
 `--chain` times decode only, as the step runs it: one CUDA graph of CHAIN_LAYERS back-to-back calls per layer
 type, each over its own layer's KV (more bytes than L2 holds), so chained kernels overlap their neighbours and
-nothing is flushed between calls; it prints microseconds per call and the KV bandwidth.
+nothing is flushed between calls; it prints microseconds per call and the KV bandwidth. With `--sweep` it also
+times the decode kernel's other split counts and block shapes (CHAIN_SWEEP) that way.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ DECODE_SWEEP = {
 
 
 CHAIN_LAYERS = 8
+CHAIN_SWEEP = [  # (block_n, num_warps, num_stages) x split counts
+    (dk.DecodeConfig(*config), splits)
+    for config in ((32, 4, 1), (32, 4, 2), (64, 4, 1), (64, 8, 1), (64, 4, 2), (16, 2, 3), (64, 2, 3), (32, 8, 1))
+    for splits in (2, 4, 8, 16)
+]
 
 
 def build_batch(
@@ -208,7 +214,7 @@ def sweep_configs(spec: AttentionLayerSpec, q: torch.Tensor, batch: ForwardBatch
     return rows
 
 
-def run_chain(name: str, requests: list[tuple[int, int]]) -> list[dict]:
+def run_chain(name: str, requests: list[tuple[int, int]], sweep: bool) -> list[dict]:
     """Per-call time of CHAIN_LAYERS chained decode calls of each layer type, each over its own KV."""
     layers = tuple(
         dataclasses.replace(spec, layer_id=index, kv_owner=index)
@@ -231,8 +237,39 @@ def run_chain(name: str, requests: list[tuple[int, int]]) -> list[dict]:
         record = {"case": f"chain {name}", "layer": f"{base.layer_type} d{base.head_dim}", "us_per_call": us,
                   "GBps": kv_bytes / us / 1e3}  # fmt: skip
         print(f"chain {name:20} {record['layer']:22} {us:8.2f} us/call {record['GBps']:8.0f} GB/s", flush=True)
+        if sweep:
+            record["sweep"] = sweep_chain(chain, q, batch)
         results.append(record)
     return results
+
+
+def sweep_chain(chain: list[AttentionLayerSpec], q: torch.Tensor, batch: ForwardBatch) -> list[dict]:
+    """Microseconds per call of the chain with each (config, splits) of CHAIN_SWEEP, fastest first."""
+    meta, pool = batch.attn_metadata, batch.kv_pool
+    req_to_token, full_to_swa = batch.req_to_token_pool.req_to_token, pool.allocator.full_to_swa
+    out = torch.empty_like(q)
+    rows = []
+    for config, splits in CHAIN_SWEEP:
+        partials = dk.decode_partials(q.shape[0], HEADS, q.shape[2], splits, q.device)
+
+        def calls(config=config, splits=splits, partials=partials) -> None:
+            for spec in chain:
+                k_buffer, v_buffer = pool.kv_buffers(spec.layer_id)
+                dk.decode_attention(
+                    q, out, k_buffer, v_buffer, req_to_token, full_to_swa, meta.row_pool_indices,
+                    meta.row_seq_lens, meta.positions, spec.sliding_window, splits, partials, config,
+                )  # fmt: skip
+
+        try:
+            us = 1e6 * time_cuda(calls, warmup=3, repeats=30, use_graph=True) / len(chain)
+        except Exception as exc:  # a block shape that does not fit the chip is a result too
+            rows.append({"config": str(config), "splits": splits, "error": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        rows.append({"config": str(config), "splits": splits, "us_per_call": us})
+    rows.sort(key=lambda r: r.get("us_per_call", float("inf")))
+    for r in rows[:4]:
+        print(f"    {r['config']} splits={r['splits']}: {r.get('us_per_call', float('nan')):.2f} us/call", flush=True)
+    return rows
 
 
 def _time_variant(label: str, call, out: torch.Tensor, exact: torch.Tensor) -> dict:
@@ -259,7 +296,8 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
     if args.chain:
-        results = [r for name, mode, requests in CASES if mode.is_decode() for r in run_chain(name, requests)]
+        cases = [(name, requests) for name, mode, requests in CASES if mode.is_decode()]
+        results = [r for name, requests in cases for r in run_chain(name, requests, args.sweep)]
         return write_results(args.json, props, results)
     results = []
     for name, mode, requests in CASES:

@@ -8,26 +8,33 @@ from HBM and not from L2), is timed by CUDA events after warm-up (`timing.time_c
 microseconds per block. The torch path is what the decoder layer ran before these kernels (F.linear,
 `gelu_tanh_mul`, F.linear); the Triton path is `per_layer_input_projection`. Both must agree (max error
 relative to the largest output, share of bit-equal outputs). Results go to --json, or to $OUT/bench_ple.json
-when $OUT is set.
+when $OUT is set. `--sweep` also times the Triton path with every tile choice of SWEEP (in place of
+`ple_kernels._choose_tiles`' answer) and prints the fastest.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from timing import time_cuda
 
+from srt.layers import ple_kernels
 from srt.layers.fused_kernels import gelu_tanh_mul
 from srt.layers.ple_kernels import per_layer_input_projection
 
 MODELS = {"E4B": 2560, "E2B": 1536}  # hidden size; ple_dim is 256 in both
 PLE_DIM = 256
 LAYERS = 42  # E4B's layer count: one graph is one decode step's worth of PLE blocks
+SWEEP = [  # gate_block_p, gate_block_k, splits, project_block_n
+    ple_kernels._Tiles(*tiles) for tiles in itertools.product((16, 32, 64), (128, 256), (1, 2, 5, 10), (32, 64, 128))
+]
 
 
 class Weights:
@@ -83,10 +90,30 @@ def run_case(model: str, rows: int) -> dict:
     }
 
 
+def sweep_tiles(model: str, rows: int) -> list[dict]:
+    """Microseconds per block of the Triton path with each tile choice of SWEEP, fastest first."""
+    weights = Weights(MODELS[model], rows)
+    expected = torch.stack([weights.torch_block(i) for i in range(LAYERS)]).float()
+    results = []
+    for tiles in SWEEP:
+        with mock.patch.object(ple_kernels, "_choose_tiles", lambda rows, tiles=tiles: tiles):
+            got = torch.stack([weights.triton_block(i) for i in range(LAYERS)]).float()
+            step = lambda: [weights.triton_block(i) for i in range(LAYERS)]  # noqa: E731
+            us = 1e6 * time_cuda(step, warmup=10, repeats=100, use_graph=True) / LAYERS
+        rel_err = float((got - expected).abs().max() / expected.abs().max())
+        results.append({"model": model, "rows": rows, "tiles": tiles._asdict(), "triton_us": round(us, 2),
+                        "max_rel_err": rel_err})  # fmt: skip
+    results.sort(key=lambda r: r["triton_us"])
+    for r in results[:5]:
+        print(f"  sweep {model} rows {rows}: {r['triton_us']:6.2f} us  {r['tiles']}  rel err {r['max_rel_err']:.1e}")
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 8, 32])
+    parser.add_argument("--sweep", action="store_true", help="also time every tile choice of SWEEP")
     parser.add_argument("--json", type=Path, help="write the results here (default: $OUT/bench_ple.json if set)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -105,6 +132,8 @@ def main() -> None:
                 f"{r['triton_gb_per_s']:>7.1f} {r['max_rel_err']:>8.1e} {r['bit_equal']:>6.3f}",
                 flush=True,
             )
+            if args.sweep:
+                results += sweep_tiles(model, rows)
     path = args.json or (Path(os.environ["OUT"]) / "bench_ple.json" if os.environ.get("OUT") else None)
     if path is not None:
         path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=2))

@@ -6,7 +6,9 @@
         --batch-size 1 --input-len 512 --disable-cuda-graph
 
 Kernels of a replayed CUDA graph are not listed one by one: profile decode with --disable-cuda-graph to see
-them (their GPU times are the same; the host launch times are what the graph removes).
+them (their GPU times are the same; the host launch times are what the graph removes). With graphs, decode
+also prints the device time of the captured step replayed back to back: what a step costs without the host's
+input copies, sampling and synchronisation around it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from timing import time_cuda
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from srt.model_executor.model_runner import ModelRunner
@@ -50,6 +53,10 @@ def main() -> None:
     sort = "cuda_time_total" if runner.device.type == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=args.rows))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    graphs = runner.decode_graphs.steps if runner.decode_graphs is not None else None
+    if decode_steps and graphs is not None and graphs.use_graphs:
+        replay = graphs.graphs[graphs.padded_size(args.batch_size)].replay
+        print(f"decode graph replay alone: {time_cuda(replay, warmup=5, repeats=50) * 1e3:.3f} ms per step")
 
 
 if __name__ == "__main__":

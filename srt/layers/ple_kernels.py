@@ -189,10 +189,11 @@ class _Tiles(NamedTuple):
 
 
 def _choose_tiles(rows: int) -> _Tiles:
-    """Tuned on an H100 at E2B/E4B shapes, bf16: ~80 gate CTAs and 80..160 project CTAs (bench/bench_ple.py)."""
+    """Tuned on an H100 at E2B/E4B shapes, bf16: ~80 gate CTAs and 40..160 project CTAs (bench/bench_ple.py;
+    at 32 rows `--sweep` put 128-column project tiles first: 6.71 vs 6.90 us a block with 64)."""
     if rows == 1:
         return _Tiles(gate_block_p=16, gate_block_k=256, splits=5, project_block_n=16)
-    return _Tiles(gate_block_p=32, gate_block_k=256, splits=5, project_block_n=64)
+    return _Tiles(gate_block_p=32, gate_block_k=256, splits=5, project_block_n=64 if rows <= 16 else 128)
 
 
 def per_layer_input_projection(

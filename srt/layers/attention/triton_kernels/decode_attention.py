@@ -40,10 +40,13 @@ class DecodeConfig:
 def default_decode_config(head_dim: int, on_gpu: bool) -> DecodeConfig:
     if not on_gpu:
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
-    # BLOCK_N 32: K and V blocks of 256 or 512 dims stay in registers next to the accumulator without spills;
-    # stages 1 (256) and 2 (512) were the fastest in bench/tune_decode_attention.py's H100 sweep
-    if head_dim >= 256:
-        return DecodeConfig(block_n=32, num_warps=4, num_stages=1 if head_dim == 256 else 2)
+    # from H100 sweeps of chained calls over distinct layers' KV (bench/bench_attention.py --chain --sweep):
+    # head_dim 256 takes 64-token blocks (E4B sliding, batch 32: 18.2 vs 19.9 us a call with 32; batch 1:
+    # 5.2 vs 5.4); 512 keeps 32-token blocks, 2 stages (K and V blocks of 32 KB next to the accumulator)
+    if head_dim == 256:
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=1)
+    if head_dim >= 512:
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
     return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
 
 
