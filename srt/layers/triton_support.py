@@ -66,8 +66,9 @@ def has_pdl(device: torch.device) -> bool:
 # Chained kernels (SRT_PDL=0 turns the chaining off, for A/B runs): a kernel launched with `pdl_launch`'s
 # option may start while the kernel ahead of it still runs; its CTAs get resident and wait in `pdl_start`
 # until that kernel has finished and its writes are visible, so the launch latency hides behind the previous
-# kernel. `pdl_start` must come before the kernel's first load or store (the wait also orders its writes
-# after the previous kernel's reads).
+# kernel. `pdl_start` must come before the kernel's first store, and before its first load of anything a
+# kernel of the step writes (the wait also orders its writes after the previous kernel's reads); constant
+# weights and the step's metadata, filled before the graph runs, may be read before it.
 PDL_ENABLED = os.environ.get("SRT_PDL", "1") != "0"
 
 
