@@ -12,8 +12,12 @@ output itself and there is no stage 2.
 
 num_splits is chosen on the host from the number of rows and KV heads only (never from sequence lengths), so
 the launch shapes are fixed for a batch size and nothing is read back: the kernels can be captured in CUDA
-graphs. head_dim 256 and 512 use BLOCK_N = 32: a K or V block is 16 or 32 KB of bf16, the M x head_dim
-accumulator 16 x 512 fp32 at most, over 4 warps.
+graphs. Blocks (`default_decode_config`): 64 tokens at head_dim 256, 32 at 512, so a K or V block is 32 KB
+of bf16 at most, next to an M x head_dim float32 accumulator (16 x 512 at most) over 4 warps.
+
+Chained launch: a program reads its row's position, length and first KV slots before it waits for the kernel
+ahead (`pdl_start`); no kernel of the layers writes them. The query, and on KV-owning layers the new K/V,
+come after the wait.
 """
 
 from __future__ import annotations
@@ -41,8 +45,8 @@ def default_decode_config(head_dim: int, on_gpu: bool) -> DecodeConfig:
     if not on_gpu:
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
     # from H100 sweeps of chained calls over distinct layers' KV (bench/bench_attention.py --chain --sweep):
-    # head_dim 256 takes 64-token blocks (E4B sliding, batch 32: 18.2 vs 19.9 us a call with 32; batch 1:
-    # 5.2 vs 5.4); 512 keeps 32-token blocks, 2 stages (K and V blocks of 32 KB next to the accumulator)
+    # head_dim 256 takes 64-token blocks (E4B sliding, batch 32: 18.2 vs 19.9 us a call with 32-token ones;
+    # batch 1 with 8 splits: 5.2 vs 5.4); 512 keeps 32-token blocks and 2 stages
     if head_dim == 256:
         return DecodeConfig(block_n=64, num_warps=4, num_stages=1)
     if head_dim >= 512:
@@ -99,8 +103,7 @@ def _decode_split_kernel(
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # positions, lengths and slot tables are written before the step's graph runs, so they are read before
-    # waiting for the kernel ahead (whose q and, on KV-owning layers, new K/V come after the wait)
+    # before the wait: no kernel of the layers writes positions, lengths or slot tables (module docstring)
     pos = tl.load(positions_ptr + row)
     kv_start, kv_end = row_kv_bounds(pos, tl.load(row_seq_lens_ptr + row), window, SLIDING)
     split_len = _split_len(kv_start, kv_end, NUM_SPLITS, BLOCK_N)
