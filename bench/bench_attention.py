@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import torch
 import triton
-from timing import time_cuda
+from timing import time_cuda, write_json
 
 from srt.configs.model_config import FULL, SLIDING, AttentionLayerSpec
 from srt.layers.attention import create_attention_backend
@@ -320,11 +319,8 @@ def main() -> None:
 
 
 def write_results(path: Path | None, props, results: list[dict]) -> None:
-    path = path or (Path(os.environ["OUT"]) / "bench_attention.json" if os.environ.get("OUT") else None)
-    if path:
-        payload = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__, "results": results}
-        path.write_text(json.dumps(payload, indent=1))
-        print(f"wrote {path}")
+    payload = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__, "results": results}
+    write_json(path, "bench_attention.json", payload)
 
 
 if __name__ == "__main__":

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from timing import time_cuda, time_host
+from timing import time_cuda, time_host, write_json
 
 from srt.layers.moe import fused_experts as fe
 from srt.layers.moe.experts import Experts
@@ -192,9 +191,7 @@ def main() -> None:
     for tokens in args.tokens:
         records.append(bench_experts(tokens, experts, not args.no_sweep))
         print(json.dumps(records[-1]), flush=True)
-    out = args.json or (Path(os.environ["OUT"]) / "bench_moe.json" if os.environ.get("OUT") else None)
-    if out is not None:
-        out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "records": records}, indent=1))
+    write_json(args.json, "bench_moe.json", {"device": torch.cuda.get_device_name(), "records": records})
     print("\nrouting: tokens | fused gpu/graph/host us | torch reference | transformers ops | ids equal")
     for r in records:
         if r["part"] == "routing":

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 from pathlib import Path
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from timing import time_cuda
+from timing import time_cuda, write_json
 
 from srt.layers import ple_kernels
 from srt.layers.fused_kernels import gelu_tanh_mul
@@ -134,10 +132,7 @@ def main() -> None:
             )
             if args.sweep:
                 results += sweep_tiles(model, rows)
-    path = args.json or (Path(os.environ["OUT"]) / "bench_ple.json" if os.environ.get("OUT") else None)
-    if path is not None:
-        path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=2))
-        print(f"wrote {path}")
+    write_json(args.json, "bench_ple.json", {"device": torch.cuda.get_device_name(), "results": results}, indent=2)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
-from timing import time_cuda
+from timing import time_cuda, write_json
 
 from srt.configs.presets import preset_text_kwargs
 from srt.layers.fused_kernels import gelu_tanh_mul_packed
@@ -140,10 +138,8 @@ def main() -> None:
                 f"{tuple(best.values()) if best else ''} err {r.get('best_rel_err', r.get('default_rel_err', 0)):.1e}",
                 flush=True,
             )
-    path = args.json or (Path(os.environ["OUT"]) / "bench_skinny_gemm.json" if os.environ.get("OUT") else None)
-    if path is not None:
-        path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=2))
-        print(f"wrote {path}")
+    payload = {"device": torch.cuda.get_device_name(), "results": results}
+    write_json(args.json, "bench_skinny_gemm.json", payload, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Timing helpers shared by the bench scripts: median device time of a call, CUDA-graph capture, host time.
+"""Helpers shared by the bench scripts: median device time of a call, CUDA-graph capture, host time, and where
+the results JSON goes (`write_json`).
 
 The scripts run as `python bench/<script>.py`, which puts bench/ first on sys.path, so they import this
 module as `timing` (with or without PYTHONPATH=.).
@@ -11,9 +12,12 @@ both fall back to `time.perf_counter`.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -96,3 +100,14 @@ def time_host(fn: Callable[[], object], calls: int = 50, device: torch.device | 
         fn()
     synchronize(device)
     return (time.perf_counter() - start) / calls
+
+
+def write_json(path: Path | None, default_name: str, payload: dict, indent: int = 1) -> Path | None:
+    """Write `payload` to `path` (a script's --json), or to $OUT/`default_name` when $OUT is set (the device
+    tool's output folder), or nowhere; returns where it went."""
+    if path is None and os.environ.get("OUT"):
+        path = Path(os.environ["OUT"]) / default_name
+    if path is not None:
+        path.write_text(json.dumps(payload, indent=indent))
+        print(f"wrote {path}")
+    return path

@@ -10,12 +10,10 @@ the table gives microseconds per call. Results go to --json, or to $OUT/tune_add
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
 
 import torch
-from timing import time_cuda
+from timing import time_cuda, write_json
 
 from srt.layers import fused_kernels
 
@@ -52,9 +50,8 @@ def main() -> None:
             chosen = default(triton_block := 1 << (hidden - 1).bit_length())
             results.append({"hidden": hidden, "rows": rows, "block": triton_block, "default_warps": chosen, "us": us})
             print(f"{hidden:>6} {rows:>4} {chosen:>7} " + " ".join(f"{us[w]:>8.2f}" for w in WARPS), flush=True)
-    path = args.json or (Path(os.environ["OUT"]) / "tune_add_rms_norm.json" if os.environ.get("OUT") else None)
-    if path is not None:
-        path.write_text(json.dumps({"device": torch.cuda.get_device_name(), "results": results}, indent=2))
+    payload = {"device": torch.cuda.get_device_name(), "results": results}
+    write_json(args.json, "tune_add_rms_norm.json", payload, indent=2)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import multiprocessing
 import os
 from collections.abc import Sequence
@@ -36,7 +35,7 @@ from pathlib import Path
 
 import torch
 import triton
-from timing import time_cuda
+from timing import time_cuda, write_json
 from tqdm import tqdm
 
 from srt.configs.model_config import AttentionLayerSpec, ModelConfig
@@ -328,12 +327,9 @@ def main() -> None:
             f"  {short} {p['layer_type'].split('_')[0]} bs{p['batch_size']}: {chosen} "
             f"({p['worst_slowdown']:.2f}x), default {default} ({p['default_worst_slowdown']:.2f}x)"
         )
-    path = args.json or (Path(os.environ["OUT"]) / "tune_decode_attention.json" if os.environ.get("OUT") else None)
-    if path:
-        meta = {"device": props.name, "sms": sms, "torch": torch.__version__, "triton": triton.__version__}
-        meta.update(rel_diff_tol=REL_DIFF_TOL, grid=QUICK_GRID if args.quick else FULL_GRID)
-        path.write_text(json.dumps({**meta, "per_batch": picks, "shapes": results}, indent=1))
-        print(f"wrote {path}")
+    meta = {"device": props.name, "sms": sms, "torch": torch.__version__, "triton": triton.__version__}
+    meta.update(rel_diff_tol=REL_DIFF_TOL, grid=QUICK_GRID if args.quick else FULL_GRID)
+    write_json(args.json, "tune_decode_attention.json", {**meta, "per_batch": picks, "shapes": results})
 
 
 if __name__ == "__main__":

@@ -11,13 +11,11 @@ candidate that does not compile or fit in shared memory is reported and skipped.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 from pathlib import Path
 
 import torch
 from bench_moe import BF16_FLOPS, EXPERTS, HIDDEN, INTER, TOP_K
-from timing import time_cuda
+from timing import time_cuda, write_json
 from tqdm import tqdm
 
 from srt.layers.moe import fused_experts as fe
@@ -83,9 +81,7 @@ def main() -> None:
     gate_up = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda") * HIDDEN**-0.5).bfloat16()
     down = (torch.randn(EXPERTS, HIDDEN, INTER, device="cuda") * INTER**-0.5).bfloat16()
     records = [record for tokens in args.tokens for record in time_configs(tokens, gate_up, down)]
-    out = args.json or (Path(os.environ["OUT"]) / "tune_moe_experts.json" if "OUT" in os.environ else None)
-    if out is not None:
-        out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "records": records}, indent=1))
+    write_json(args.json, "tune_moe_experts.json", {"device": torch.cuda.get_device_name(), "records": records})
 
 
 if __name__ == "__main__":
