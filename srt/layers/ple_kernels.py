@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from srt.layers.fused_kernels import gelu_tanh_mul, gelu_tanh_mul_reference, gelu_tanh_mul_rounded
 from srt.layers.triton_support import (
-    is_interpreted,
+    dot_options,
     jit,
     last_dim_contiguous,
     pdl_launch,
@@ -234,11 +234,7 @@ def per_layer_input_projection(
     if rows == 0:
         return out
     tiles = _choose_tiles(rows)
-    # Triton's interpreter multiplies 16-bit floats in tl.dot as raw integers: there the operands go up to
-    # float32 first (products of 16-bit floats are exact in float32: the same math). float32 operands must
-    # not drop to TF32 on the tensor cores: the Linear it replaces runs in full float32.
-    interpreted = is_interpreted(_tile_gate_kernel)
-    precision = "ieee" if interpreted or hidden.dtype == torch.float32 else "tf32"
+    precision, upcast = dot_options(_tile_gate_kernel, hidden.dtype)
     launch_pdl = pdl_launch(hidden.device, _tile_gate_kernel)
     pdl = bool(launch_pdl)
     # K in whole gate_block_k steps, spread over at most tiles.splits chunks (the last one may be short)
@@ -265,12 +261,12 @@ def per_layer_input_projection(
     _tile_gate_kernel[(p_blocks, splits, row_blocks)](
         hidden, gate_weight, partials, rows, hidden_size, ple_dim, hidden.stride(0), gate_weight.stride(0),
         K_PER_SPLIT=k_per_split, BLOCK_T=block_t, BLOCK_P=tiles.gate_block_p, BLOCK_K=tiles.gate_block_k,
-        PRECISION=precision, UPCAST=interpreted, USE_PDL=pdl, num_warps=4, **launch_pdl,
+        PRECISION=precision, UPCAST=upcast, USE_PDL=pdl, num_warps=4, **launch_pdl,
     )  # fmt: skip
     _tile_project_kernel[(n_blocks, row_blocks)](
         partials, per_layer_input, projection_weight, out, rows, hidden_size, ple_dim,
         per_layer_input.stride(0), projection_weight.stride(0), out.stride(0),
         SPLIT_K=splits, BLOCK_T=block_t, BLOCK_P=block_p, BLOCK_N=tiles.project_block_n,
-        PRECISION=precision, UPCAST=interpreted, USE_PDL=pdl, num_warps=4, **launch_pdl,
+        PRECISION=precision, UPCAST=upcast, USE_PDL=pdl, num_warps=4, **launch_pdl,
     )  # fmt: skip
     return out

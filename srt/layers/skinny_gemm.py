@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from srt.layers.fused_kernels import gelu_tanh_mul_packed, gelu_tanh_mul_rounded
 from srt.layers.triton_support import (
-    is_interpreted,
+    dot_options,
     jit,
     last_dim_contiguous,
     pdl_launch,
@@ -151,13 +151,13 @@ def skinny_linear(
     rows, k = x.shape
     x = last_dim_contiguous(x)
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    interpreted = is_interpreted(_skinny_kernel)
+    precision, upcast = dot_options(_skinny_kernel, x.dtype)
     launch = pdl_launch(x.device, _skinny_kernel)
     _skinny_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, out, rows, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=1 if rows == 1 else max(16, triton.next_power_of_2(rows)), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, GATED=gated, VECTOR=rows == 1,
-        PRECISION="ieee" if interpreted or x.dtype == torch.float32 else "tf32", UPCAST=interpreted,
+        PRECISION=precision, UPCAST=upcast,
         USE_PDL=bool(launch), num_warps=config.num_warps, num_stages=config.num_stages, **launch,
     )  # fmt: skip
     return out

@@ -4,7 +4,7 @@
   (no triton): the kernels stay plain functions there and the torch references serve every call.
 - `runs_triton`: each wrapper's `use_triton` switch (None: Triton on CUDA, the reference elsewhere).
 - `is_interpreted`: whether a kernel runs under Triton's CPU interpreter (TRITON_INTERPRET=1 set before the
-  kernel's module was imported, as test/conftest.py does).
+  kernel's module was imported, as test/conftest.py does); `dot_options`: a tl.dot's precision there and on GPU.
 - `round_to`: float32 -> a dtype's nearest value, the same on the GPU and in the interpreter.
 - `has_pdl`, `gdc_wait`, `gdc_launch_dependents`: programmatic dependent launch (Hopper, newer Triton);
   `pdl_launch` and `pdl_start`: the launch option and the in-kernel prologue of a chained kernel.
@@ -37,6 +37,15 @@ def is_interpreted(kernel: object) -> bool:
     """True when `kernel` is Triton's InterpretedFunction: TRITON_INTERPRET=1 was set before its module was
     imported, so it runs on CPU tensors (and only there)."""
     return type(kernel).__name__ == "InterpretedFunction"
+
+
+def dot_options(kernel: object, dtype: torch.dtype) -> tuple[str, bool]:
+    """(PRECISION, UPCAST) of `kernel`'s tl.dot over `dtype` operands. Triton's interpreter multiplies 16-bit
+    floats in tl.dot as raw integers, so there the operands go up to float32 first (UPCAST; products of 16-bit
+    floats are exact in float32: the same math). float32 operands never drop to TF32 on the tensor cores: the
+    torch ops the kernels replace run in full float32."""
+    interpreted = is_interpreted(kernel)
+    return ("ieee" if interpreted or dtype == torch.float32 else "tf32"), interpreted
 
 
 def runs_triton(device: torch.device, use_triton: bool | None, kernel: object) -> bool:
@@ -81,7 +90,8 @@ def pdl_launch(device: torch.device, kernel: object) -> dict[str, bool]:
 
 @jit
 def pdl_start(USE_PDL: tl.constexpr):
-    """A chained kernel's first statement: wait for the kernel ahead, then let the next one launch."""
+    """A chained kernel's wait for the kernel ahead, then the next one's launch: before the kernel's first
+    store and its first load of anything the step's kernels write (see PDL_ENABLED's comment)."""
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
