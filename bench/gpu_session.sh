@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in as few device calls as possible:
 #
-#     bash bench/gpu_session.sh STAGE...      (stages: tests decode yoco skinny norm moe serving profile)
+#     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab yoco layouts norm moe serving profile)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
 # serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
@@ -38,6 +38,16 @@ stage_decode() {  # decode at batch 1 and 32 (512-token context) and the 7000-to
     done
 }
 
+stage_ab() {  # decode with and without environment switches: AB="A=1 B=2;C=3" is two runs beside the plain one
+    IFS=';' read -ra settings <<<"${AB:-}"
+    for setting in "" "${settings[@]}"; do
+        echo "--- ${setting:-(plain)}"
+        env $setting timeout 240 $BENCH --model-path gemma-4-${AB_MODEL:-E4B}-it --batch-size ${AB_BATCH:-1 32} \
+            --input-len 512 --output-len 32 --json "$RESULTS/ab-$(echo "${setting:-plain}" | tr ' =,' '_.-').json" \
+            2>&1 | grep -E "decode .* ms/step|Error|error" | grep -v floor
+    done
+}
+
 stage_yoco() {  # YOCO on/off, side by side in one process
     for model in ${YOCO_MODELS:-E2B E4B}; do
         for shape in ${YOCO_SHAPES:-1x7000 8x2048}; do
@@ -47,9 +57,8 @@ stage_yoco() {  # YOCO on/off, side by side in one process
     done
 }
 
-stage_skinny() {  # decode-sized projections: cuBLAS vs the Triton skinny GEMM (SKINNY_ARGS, e.g. --sweep)
-    timeout ${SKINNY_TIMEOUT:-300} python3 bench/bench_skinny_gemm.py ${SKINNY_ARGS:---models E4B E2B} \
-        --json "$RESULTS/skinny-gemm.json"
+stage_layouts() {  # decode-sized projections: which cuBLAS call and weight layout streams them fastest
+    timeout 300 python3 bench/bench_gemm_layouts.py --models ${LAYOUT_MODELS:-E4B E2B} --json "$RESULTS/gemm-layouts.json"
 }
 
 stage_norm() {  # warps of the residual add + norm kernel

@@ -41,6 +41,27 @@ def test_weights_are_cast_to_the_requested_dtype(tiny_checkpoint) -> None:
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
 
 
+def test_projections_are_stored_transposed_with_the_checkpoint_values(tiny_checkpoint) -> None:
+    path = tiny_checkpoint(PRESET)
+    model = load_model(ModelConfig.from_pretrained(path), path, "safetensors", torch.float32, torch.device("cpu"))
+    tensors = load_file(str(path / "model.safetensors"))
+    layer, prefix = model.model.layers[0], "model.layers.0."
+    stacked = {
+        layer.self_attn.qkv_proj: ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"],
+        layer.self_attn.o_proj: ["self_attn.o_proj"],
+        layer.mlp.gate_up_proj: ["mlp.gate_proj", "mlp.up_proj"],
+        layer.mlp.down_proj: ["mlp.down_proj"],
+    }
+    for linear, names in stacked.items():
+        expected = torch.cat([tensors[f"{prefix}{name}.weight"] for name in names])
+        assert torch.equal(linear.weight, expected), names
+        assert linear.weight.stride() == (1, linear.weight.shape[0]), names  # a view of a row-major [in, out]
+    shared = model.model.layers[-1].self_attn  # a KV-shared layer: q and o only
+    assert shared.qkv_proj is None and shared.q_proj.weight.stride(0) == 1
+    embedding = model.model.embed_tokens.weight  # the tied LM head
+    assert torch.equal(embedding, tensors["model.embed_tokens.weight"]) and embedding.stride(0) == 1
+
+
 def _edit_weights(path: Path, edit) -> None:
     file = path / "model.safetensors"
     tensors = load_file(str(file))
