@@ -193,13 +193,8 @@ def test_decode_with_split_kv_matches_torch_native(sliding_kv: int, full_kv: int
     state.check_integrity()
 
 
-@pytest.mark.parametrize("combine_elements", [decode_kernels.COMBINE_ELEMENTS, 128], ids=["one-chunk", "chunks"])
 @pytest.mark.parametrize("num_splits", [1, 2, 8])
-def test_decode_kernel_any_split_count_gives_the_same_output(
-    num_splits: int, combine_elements: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # 128 values: the combine merges 8 splits of head_dim 32 / 64 four / two at a time
-    monkeypatch.setattr(decode_kernels, "COMBINE_ELEMENTS", combine_elements)
+def test_decode_kernel_any_split_count_gives_the_same_output(num_splits: int) -> None:
     torch.manual_seed(2)
     state = PagedState(make_layers(2, 1))
     rows = [state.add_request(n) for n in (70, 3, 41)]

@@ -7,8 +7,8 @@ KV range, and writes the split's normalised partial output and its log-sum-exp:
     visible KV of row r:  [start, end)  ->  split s covers [start + s * L, start + (s + 1) * L) ∩ [start, end)
     L = cdiv(cdiv(end - start, num_splits), BLOCK_N) * BLOCK_N
 
-Stage 2, grid = (rows, heads): combines the splits that hold KV, loading up to COMBINE_ELEMENTS // head_dim
-of them at once. With num_splits == 1 stage 1 writes the output itself and there is no stage 2.
+Stage 2, grid = (rows, heads): combines the splits that hold KV. With num_splits == 1 stage 1 writes the
+output itself and there is no stage 2.
 
 num_splits is chosen on the host from the number of rows and KV heads only (never from sequence lengths), so
 the launch shapes are fixed for a batch size and nothing is read back: the kernels can be captured in CUDA
@@ -32,7 +32,6 @@ from srt.layers.attention.triton_kernels.paged_kv import LOG2E, dot_precision, k
 from srt.layers.triton_support import pdl_launch, pdl_start
 
 MAX_KV_SPLITS = 64
-COMBINE_ELEMENTS = 4096  # float32 partial-output values a combine program holds at once (32 per thread)
 
 
 @dataclass(frozen=True)
@@ -171,7 +170,6 @@ def _decode_combine_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SPLIT_CHUNK: tl.constexpr,
     SLIDING: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -184,24 +182,16 @@ def _decode_combine_kernel(
     pdl_start(USE_PDL)  # the partials come from the kernel ahead; the metadata above does not
 
     base = (row * num_heads + head) * NUM_SPLITS
-    offs_c = tl.arange(0, SPLIT_CHUNK)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < active, other=float("-inf"))
+    m = tl.max(lse)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp2(lse - m))
     offs_d = tl.arange(0, HEAD_DIM)
-    # SPLIT_CHUNK splits' partials and weights load together (one memory round trip, not one per split), then
-    # merge into the running max / sum / output as the split kernel merges KV blocks
-    m = tl.full([], float("-inf"), tl.float32)
-    total = tl.zeros([], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
-    for first in range(0, active, SPLIT_CHUNK):
-        ok = first + offs_c < active
-        lse = tl.load(part_lse_ptr + base + first + offs_c, mask=ok, other=float("-inf"))
-        part = tl.load(part_o_ptr + (base + first + offs_c)[:, None] * HEAD_DIM + offs_d[None, :], mask=ok[:, None])
-        m_new = tl.maximum(m, tl.max(lse))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # splits with no KV: weight 0, never NaN
-        weight = tl.exp2(lse - m_safe)
-        rescale = tl.exp2(m - m_safe)
-        total = total * rescale + tl.sum(weight)
-        acc = acc * rescale + tl.sum(weight[:, None] * tl.where(ok[:, None], part, 0.0), axis=0)
-        m = m_new
+    for s in range(0, active):
+        weight = tl.exp2(tl.load(part_lse_ptr + base + s) - m)
+        acc += weight * tl.load(part_o_ptr + (base + s) * HEAD_DIM + offs_d)
     out = acc / tl.where(total > 0, total, 1.0)
     tl.store(o_ptr + row * stride_ot + head * stride_oh + offs_d, out.to(o_ptr.dtype.element_ty))
 
@@ -290,7 +280,6 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits,
-        SPLIT_CHUNK=min(num_splits, COMBINE_ELEMENTS // head_dim),
         SLIDING=sliding,
         USE_PDL=bool(launch),
         num_warps=4,
