@@ -16,11 +16,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from srt.layers.fused_kernels import add_rms_norm_reference, gelu_tanh_mul, gelu_tanh_mul_reference  # noqa: E402
+from srt.layers.fused_kernels import gelu_tanh_mul, gelu_tanh_mul_reference  # noqa: E402
 from srt.layers.ple_kernels import (  # noqa: E402
     MAX_ROWS,
-    AddNorm,
-    add_norm_per_layer_input_projection,
     per_layer_input_projection,
     per_layer_input_projection_reference,
 )
@@ -83,35 +81,6 @@ def test_matches_reference(rows: int, hidden_size: int, ple_dim: int, strided: b
     assert_matches_reference(per_layer_input_projection(*block.args(), use_triton=True), block)
 
 
-def check_add_norm_in_the_gate_kernel(rows: int, hidden_size: int, ple_dim: int, dtype: torch.dtype) -> None:
-    """The residual add + norm folded into the gate kernel against `add_rms_norm` then the block's torch ops:
-    `summed` within 2 ulps, mostly equal (rstd's float32 sum runs in another order), and the projection the
-    block's on that `summed`."""
-    block = Block(rows, hidden_size, ple_dim, dtype, strided=True, seed=rows + 100)
-    generator = torch.Generator().manual_seed(rows)
-    residual = (4 * torch.randn(rows, 2 * hidden_size, generator=generator)).to(DEVICE, dtype)[:, :hidden_size]
-    norm_weight = (1 + torch.randn(hidden_size, generator=generator) / 4).to(DEVICE, dtype)
-    add_norm = AddNorm(residual, norm_weight, 1e-6)
-    rest = block.args()[1:]
-    summed, got = add_norm_per_layer_input_projection(block.hidden, add_norm, *rest, use_triton=True)
-    reference_summed, _ = add_norm_per_layer_input_projection(block.hidden, add_norm, *rest, use_triton=False)
-    assert torch.equal(reference_summed, add_rms_norm_reference(block.hidden, residual, norm_weight, 1e-6))
-    if dtype == torch.float32:
-        torch.testing.assert_close(summed, reference_summed, rtol=1e-5, atol=1e-5)
-    else:
-        assert_within_ulps(summed, reference_summed, reference_summed.abs() + 1, 2)
-        assert (summed == reference_summed).float().mean() >= 0.9
-    block.hidden = summed
-    assert_matches_reference(got, block)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# hidden sizes that leave the last K-chunk partly masked; 1 row: the vector kernel
-@pytest.mark.parametrize(("rows", "hidden_size", "ple_dim"), [(1, 96, 24), (1, 64, 32), (5, 80, 24), (17, 96, 32)])
-def test_add_norm_in_the_gate_kernel(rows: int, hidden_size: int, ple_dim: int, dtype: torch.dtype) -> None:
-    check_add_norm_in_the_gate_kernel(rows, hidden_size, ple_dim, dtype)
-
-
 def test_forced_above_max_rows() -> None:
     """use_triton=True past MAX_ROWS: more than one block of rows per grid."""
     block = Block(MAX_ROWS + 8, 64, 32, torch.bfloat16, strided=True, seed=7)
@@ -143,12 +112,6 @@ def test_gpu_e4b_sizes_bf16(rows: int) -> None:
     got = per_layer_input_projection(*block.args())
     assert_matches_reference(got, block)
     assert torch.equal(got, per_layer_input_projection(*block.args()))  # no atomics: deterministic
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 8, 32])
-def test_gpu_e4b_sizes_add_norm_in_the_gate_kernel(rows: int) -> None:
-    check_add_norm_in_the_gate_kernel(rows, 2560, 256, torch.bfloat16)
 
 
 @pytest.mark.gpu

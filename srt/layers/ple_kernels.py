@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from srt.layers.fused_kernels import add_rms_norm, gelu_tanh_mul, gelu_tanh_mul_reference, gelu_tanh_mul_rounded
+from srt.layers.fused_kernels import gelu_tanh_mul, gelu_tanh_mul_reference, gelu_tanh_mul_rounded
 from srt.layers.triton_support import (
     dot_options,
     jit,
@@ -60,25 +60,6 @@ def _gated(gate, ple, DTYPE: tl.constexpr):
     return gelu_tanh_mul_rounded(round_to(gate, DTYPE), ple.to(tl.float32), DTYPE)
 
 
-@jit
-def _row_rstd(x_ptr, row_offsets, row_mask, n_cols, eps, CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of the rows at x_ptr + row_offsets, over n_cols <= CHUNKS * CHUNK columns."""
-    total = tl.zeros(row_offsets.shape, tl.float32)
-    for chunk in tl.static_range(CHUNKS):  # unrolled: the chunks' loads are in flight together
-        cols = chunk * CHUNK + tl.arange(0, CHUNK)
-        mask = row_mask[:, None] & (cols < n_cols)[None, :]
-        x = tl.load(x_ptr + row_offsets[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        total += tl.sum(x * x, axis=1)
-    return 1.0 / tl.sqrt(total / n_cols + eps)
-
-
-@jit
-def _add_normed(x, residual, norm_weight, rstd, DTYPE: tl.constexpr):
-    """residual + RMSNorm(x) * norm_weight, rounded as `add_rms_norm` rounds (the norm, then the sum)."""
-    normed = round_to(x.to(tl.float32) * rstd * norm_weight.to(tl.float32), DTYPE)
-    return round_to(residual.to(tl.float32) + normed, DTYPE)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # one row: multiply-and-sum GEMVs
 
@@ -86,19 +67,13 @@ def _add_normed(x, residual, norm_weight, rstd, DTYPE: tl.constexpr):
 @jit
 def _vector_gate_kernel(
     hidden_ptr, weight_ptr, partials_ptr, hidden_size, ple_dim, stride_weight,
-    residual_ptr, norm_weight_ptr, summed_ptr, eps,
-    K_PER_SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, ADD_NORM: tl.constexpr,
-    NORM_CHUNKS: tl.constexpr, USE_PDL: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    # chained behind the kernel ahead; the project kernel may start now and fetch its weights meanwhile
+    # chained behind the residual add; the project kernel may start now and fetch its weights meanwhile
     pdl_start(USE_PDL)
     split = tl.program_id(1)
     p_ids = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     p_mask = p_ids < ple_dim
-    dtype = hidden_ptr.dtype.element_ty
-    if ADD_NORM:  # hidden_ptr holds x of `summed = residual + RMSNorm(x) * norm_weight`: the row's norm first
-        one_row = tl.zeros((1,), tl.int64)
-        rstd = _row_rstd(hidden_ptr, one_row, one_row == 0, hidden_size, eps, NORM_CHUNKS, K_PER_SPLIT)
     acc = tl.zeros((BLOCK_P, BLOCK_K), dtype=tl.float32)
     for k_offset in range(0, K_PER_SPLIT, BLOCK_K):
         k = split * K_PER_SPLIT + k_offset + tl.arange(0, BLOCK_K)
@@ -106,12 +81,6 @@ def _vector_gate_kernel(
         w_offsets = p_ids.to(tl.int64)[:, None] * stride_weight + k[None, :]
         w = tl.load(weight_ptr + w_offsets, mask=p_mask[:, None] & k_mask[None, :], other=0.0)
         h = tl.load(hidden_ptr + k, mask=k_mask, other=0.0)
-        if ADD_NORM:
-            residual = tl.load(residual_ptr + k, mask=k_mask, other=0.0)
-            norm_weight = tl.load(norm_weight_ptr + k, mask=k_mask, other=0.0)
-            h = _add_normed(h, residual, norm_weight, rstd, dtype).to(dtype)
-            if tl.program_id(0) == 0:  # one P-block writes the residual stream
-                tl.store(summed_ptr + k, h, mask=k_mask)
         acc += w.to(tl.float32) * h.to(tl.float32)[None, :]
     tl.store(partials_ptr + split * ple_dim + p_ids, tl.sum(acc, axis=1), mask=p_mask)
 
@@ -144,10 +113,8 @@ def _vector_project_kernel(
 @jit
 def _tile_gate_kernel(
     hidden_ptr, weight_ptr, partials_ptr, rows, hidden_size, ple_dim, stride_hidden, stride_weight,
-    residual_ptr, norm_weight_ptr, summed_ptr, stride_residual, stride_summed, eps,
     K_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-    ADD_NORM: tl.constexpr, NORM_CHUNKS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_start(USE_PDL)
     split = tl.program_id(1)
@@ -155,27 +122,13 @@ def _tile_gate_kernel(
     p_ids = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     row_mask = row_ids < rows
     p_mask = p_ids < ple_dim
-    row_ids64 = row_ids.to(tl.int64)
-    hidden_rows = hidden_ptr + row_ids64[:, None] * stride_hidden
+    hidden_rows = hidden_ptr + row_ids.to(tl.int64)[:, None] * stride_hidden
     weight_rows = weight_ptr + p_ids.to(tl.int64)[:, None] * stride_weight
-    dtype = hidden_ptr.dtype.element_ty
-    if ADD_NORM:  # hidden_ptr holds x of `summed = residual + RMSNorm(x) * norm_weight`: the rows' norms first
-        rstd = _row_rstd(
-            hidden_ptr, row_ids64 * stride_hidden, row_mask, hidden_size, eps, NORM_CHUNKS, K_PER_SPLIT
-        )
     acc = tl.zeros((BLOCK_T, BLOCK_P), dtype=tl.float32)
     for k_offset in range(0, K_PER_SPLIT, BLOCK_K):
         k = split * K_PER_SPLIT + k_offset + tl.arange(0, BLOCK_K)
         k_mask = k < hidden_size
-        hk_mask = row_mask[:, None] & k_mask[None, :]
-        h = tl.load(hidden_rows + k[None, :], mask=hk_mask, other=0.0)
-        if ADD_NORM:
-            residual_offsets = row_ids64[:, None] * stride_residual + k[None, :]
-            residual = tl.load(residual_ptr + residual_offsets, mask=hk_mask, other=0.0)
-            norm_weight = tl.load(norm_weight_ptr + k, mask=k_mask, other=0.0)
-            h = _add_normed(h, residual, norm_weight[None, :], rstd[:, None], dtype).to(dtype)
-            if tl.program_id(0) == 0:  # one P-block writes the residual stream
-                tl.store(summed_ptr + row_ids64[:, None] * stride_summed + k[None, :], h, mask=hk_mask)
+        h = tl.load(hidden_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(weight_rows + k[None, :], mask=p_mask[:, None] & k_mask[None, :], other=0.0)
         if UPCAST:
             h, w = h.to(tl.float32), w.to(tl.float32)
@@ -258,49 +211,6 @@ def per_layer_input_projection(
     around `gelu_tanh_mul` above, and the reference off CUDA; True forces them (on the CPU only under
     TRITON_INTERPRET=1). Graph safe.
     """
-    return _projection(hidden, per_layer_input, gate_weight, projection_weight, use_triton, None)[1]
-
-
-class AddNorm(NamedTuple):
-    """`residual + RMSNorm(x) * weight` (`fused_kernels.add_rms_norm`): the PLE block's input, summed."""
-
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-
-def add_norm_per_layer_input_projection(
-    x: torch.Tensor,
-    add_norm: AddNorm,
-    per_layer_input: torch.Tensor,
-    gate_weight: torch.Tensor,
-    projection_weight: torch.Tensor,
-    use_triton: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed, per_layer_input_projection(summed, ...)) with summed = add_norm.residual + RMSNorm(x) *
-    add_norm.weight, rounded as `add_rms_norm` rounds. Where the kernels run, the add + norm runs inside the
-    gate kernel (every gate CTA norms its rows; one P-block writes `summed`): a launch less per layer.
-    x, residual: [T, H] of one dtype, any row strides with a contiguous last dim; the rest as
-    `per_layer_input_projection`."""
-    if add_norm.residual.shape != x.shape or add_norm.weight.shape != x.shape[-1:]:
-        raise ValueError(
-            f"add_norm_per_layer_input_projection: x {list(x.shape)}, residual {list(add_norm.residual.shape)},"
-            f" weight {list(add_norm.weight.shape)}"
-        )
-    summed, out = _projection(x, per_layer_input, gate_weight, projection_weight, use_triton, add_norm)
-    assert summed is not None  # add_norm given
-    return summed, out
-
-
-def _projection(
-    hidden: torch.Tensor,
-    per_layer_input: torch.Tensor,
-    gate_weight: torch.Tensor,
-    projection_weight: torch.Tensor,
-    use_triton: bool | None,
-    add_norm: AddNorm | None,
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(summed or None, projected); with `add_norm`, `hidden` is the x of the add + norm."""
     rows, hidden_size = hidden.shape
     ple_dim = gate_weight.shape[0]
     if per_layer_input.shape != (rows, ple_dim) or gate_weight.shape != (ple_dim, hidden_size):
@@ -311,31 +221,18 @@ def _projection(
     if projection_weight.shape != (hidden_size, ple_dim):
         raise ValueError(f"per_layer_input_projection: projection_weight {list(projection_weight.shape)}")
     dtypes = {hidden.dtype, per_layer_input.dtype, gate_weight.dtype, projection_weight.dtype}
-    if add_norm is not None:
-        dtypes |= {add_norm.residual.dtype, add_norm.weight.dtype}
     if len(dtypes) != 1:
         raise ValueError(f"per_layer_input_projection: mixed dtypes {sorted(map(str, dtypes))}")
-    fused = runs_triton(hidden.device, use_triton, _tile_gate_kernel) and (use_triton or rows <= MAX_ROWS)
-    summed = None
-    if add_norm is not None and not fused:
-        residual, weight, eps = add_norm
-        hidden = summed = add_rms_norm(hidden, residual, weight, eps, use_triton=use_triton)
-    if not fused and not runs_triton(hidden.device, use_triton, _tile_gate_kernel):
-        return summed, per_layer_input_projection_reference(hidden, per_layer_input, gate_weight, projection_weight)
-    if not fused:  # prefill: cuBLAS GEMMs around the fused gelu * mul kernel
+    if not runs_triton(hidden.device, use_triton, _tile_gate_kernel):
+        return per_layer_input_projection_reference(hidden, per_layer_input, gate_weight, projection_weight)
+    if use_triton is None and rows > MAX_ROWS:  # prefill: cuBLAS GEMMs around the fused gelu * mul kernel
         gated = gelu_tanh_mul(F.linear(hidden, gate_weight), per_layer_input)
-        return summed, F.linear(gated, projection_weight)
+        return F.linear(gated, projection_weight)
     hidden, per_layer_input = last_dim_contiguous(hidden), last_dim_contiguous(per_layer_input)
     gate_weight, projection_weight = last_dim_contiguous(gate_weight), last_dim_contiguous(projection_weight)
     out = torch.empty((rows, hidden_size), dtype=hidden.dtype, device=hidden.device)
-    if add_norm is not None:
-        residual, norm_weight, eps = last_dim_contiguous(add_norm.residual), add_norm.weight, add_norm.eps
-        summed = torch.empty_like(out)
-    else:
-        residual, norm_weight, eps, summed = hidden, hidden, 0.0, None
     if rows == 0:
-        return summed, out
-    summed_out = summed if summed is not None else out  # a valid pointer the kernels never write without ADD_NORM
+        return out
     tiles = _choose_tiles(rows)
     precision, upcast = dot_options(_tile_gate_kernel, hidden.dtype)
     launch_pdl = pdl_launch(hidden.device, _tile_gate_kernel)
@@ -347,27 +244,24 @@ def _projection(
     partials = torch.empty((splits, rows, ple_dim), dtype=torch.float32, device=hidden.device)
     p_blocks, n_blocks = triton.cdiv(ple_dim, tiles.gate_block_p), triton.cdiv(hidden_size, tiles.project_block_n)
     block_p = max(16, triton.next_power_of_2(ple_dim))  # the project kernel's prologue: all of ple_dim
-    add_norm_args = dict(ADD_NORM=add_norm is not None, NORM_CHUNKS=splits)
     if rows == 1:
         _vector_gate_kernel[(p_blocks, splits)](
             hidden, gate_weight, partials, hidden_size, ple_dim, gate_weight.stride(0),
-            residual, norm_weight, summed_out, eps,
-            K_PER_SPLIT=k_per_split, BLOCK_P=tiles.gate_block_p, BLOCK_K=tiles.gate_block_k, **add_norm_args,
-            USE_PDL=pdl, num_warps=4, **launch_pdl,
+            K_PER_SPLIT=k_per_split, BLOCK_P=tiles.gate_block_p, BLOCK_K=tiles.gate_block_k, USE_PDL=pdl,
+            num_warps=4, **launch_pdl,
         )  # fmt: skip
         _vector_project_kernel[(n_blocks,)](
             partials, per_layer_input, projection_weight, out, hidden_size, ple_dim, projection_weight.stride(0),
             SPLIT_K=splits, BLOCK_P=block_p, BLOCK_N=tiles.project_block_n, USE_PDL=pdl, num_warps=4, **launch_pdl,
         )  # fmt: skip
-        return summed, out
+        return out
     # blocks of 16 rows (tl.dot's minimum): at 32 rows two blocks beat one of 32 (whose prologue spills)
     block_t = 16
     row_blocks = triton.cdiv(rows, block_t)
     _tile_gate_kernel[(p_blocks, splits, row_blocks)](
         hidden, gate_weight, partials, rows, hidden_size, ple_dim, hidden.stride(0), gate_weight.stride(0),
-        residual, norm_weight, summed_out, residual.stride(0), summed_out.stride(0), eps,
         K_PER_SPLIT=k_per_split, BLOCK_T=block_t, BLOCK_P=tiles.gate_block_p, BLOCK_K=tiles.gate_block_k,
-        **add_norm_args, PRECISION=precision, UPCAST=upcast, USE_PDL=pdl, num_warps=4, **launch_pdl,
+        PRECISION=precision, UPCAST=upcast, USE_PDL=pdl, num_warps=4, **launch_pdl,
     )  # fmt: skip
     _tile_project_kernel[(n_blocks, row_blocks)](
         partials, per_layer_input, projection_weight, out, rows, hidden_size, ple_dim,
@@ -375,4 +269,4 @@ def _projection(
         SPLIT_K=splits, BLOCK_T=block_t, BLOCK_P=block_p, BLOCK_N=tiles.project_block_n,
         PRECISION=precision, UPCAST=upcast, USE_PDL=pdl, num_warps=4, **launch_pdl,
     )  # fmt: skip
-    return summed, out
+    return out

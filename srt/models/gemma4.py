@@ -41,7 +41,7 @@ from srt.layers.layernorm import RMSNorm
 from srt.layers.logits_processor import LogitsOutput, compute_logits
 from srt.layers.moe.experts import Experts
 from srt.layers.moe.router import Router
-from srt.layers.ple_kernels import AddNorm, add_norm_per_layer_input_projection
+from srt.layers.ple_kernels import per_layer_input_projection
 from srt.layers.qkv_norm_rope_store import QKVLayout, qkv_norm_rope_store
 from srt.layers.rotary import RotaryEmbedding
 from srt.model_executor.forward_batch import ForwardBatch
@@ -239,15 +239,10 @@ class Gemma4DecoderLayer(nn.Module):
         if not self.ple_dim:
             return add_norm_then_norm(self.post_feedforward_layernorm, mlp_out, residual, next_norm, self.layer_scalar)
         # the layer scalar multiplies the layer's last sum: the per-layer-input one here
-        norm = self.post_feedforward_layernorm
-        # residual add + norm, gate GEMV, gelu * per-layer input, projection GEMV: two split-K kernels at
-        # decode sizes on GPU
-        hidden, projected = add_norm_per_layer_input_projection(
-            mlp_out,
-            AddNorm(residual, norm.weight, norm.eps),
-            per_layer_input,
-            self.per_layer_input_gate.weight,
-            self.per_layer_projection.weight,
+        hidden = add_norm(self.post_feedforward_layernorm, mlp_out, residual)
+        # gate GEMV, gelu * per-layer input, projection GEMV: two split-K kernels at decode sizes on GPU
+        projected = per_layer_input_projection(
+            hidden, per_layer_input, self.per_layer_input_gate.weight, self.per_layer_projection.weight
         )
         return add_norm_then_norm(self.post_per_layer_input_norm, projected, hidden, next_norm, self.layer_scalar)
 
