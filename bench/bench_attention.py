@@ -72,9 +72,12 @@ DECODE_SWEEP = {
 CHAIN_LAYERS = 8
 CHAIN_SWEEP = [  # (block_n, num_warps, num_stages) x split counts
     (dk.DecodeConfig(*config), splits)
-    for config in ((32, 4, 1), (32, 4, 2), (64, 4, 1), (64, 8, 1), (64, 4, 2), (16, 2, 3), (64, 2, 3), (32, 8, 1))
-    for splits in (2, 4, 8, 16)
-]
+    for config in (
+        (32, 4, 1), (32, 4, 2), (32, 4, 3), (64, 4, 1), (64, 8, 1), (64, 4, 2), (64, 4, 3), (16, 2, 3), (64, 2, 3),
+        (32, 8, 1),
+    )
+    for splits in (1, 2, 4, 8, 16)  # 1: no combine kernel
+]  # fmt: skip
 
 
 def build_batch(
