@@ -53,7 +53,8 @@ class StaticInputs:
 
     The per-row ids (positions, request rows, lengths, ...) share one int64 buffer, one row per input, so a
     batch's ids go in with one stack and one copy: the GPU idles while the host issues them before a replay,
-    five copies cost ~0.03 ms of a decode step. Other inputs (hidden states) get a buffer each (`add`).
+    and five copies cost 0.05-0.09 ms of an E4B decode step on an H100 (docs/benchmarks.md). Other inputs
+    (hidden states) get a buffer each (`add`).
     """
 
     def __init__(self, max_rows: int, device: torch.device, id_paddings: dict[str, int]) -> None:

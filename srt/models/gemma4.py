@@ -81,7 +81,7 @@ def stack_linears(*linears: nn.Linear) -> nn.Linear:
     its weight stored transposed."""
     weight_t = torch.cat([linear.weight.t() for linear in linears], dim=1)
     stacked = nn.Linear(weight_t.shape[0], weight_t.shape[1], bias=False, device="meta")  # no init work
-    stacked.weight = nn.Parameter(weight_t.t(), requires_grad=False)
+    stacked.weight = nn.Parameter(weight_t.t())
     return stacked
 
 
@@ -89,7 +89,7 @@ def stack_linears(*linears: nn.Linear) -> nn.Linear:
 def store_transposed(module: nn.Linear | nn.Embedding) -> None:
     """`module`'s 2-D weight, same values and shape, as a view of its contiguous transpose (no copy when it is
     one already)."""
-    module.weight = nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
+    module.weight = nn.Parameter(module.weight.t().contiguous().t())
 
 
 class Gemma4Attention(nn.Module):
