@@ -27,10 +27,12 @@ from srt.layers.fused_kernels import (  # noqa: E402
     gelu_tanh_mul_reference,
     rms_norm_rope,
     rms_norm_rope_reference,
+    sum_partials,
 )
 from srt.layers.layernorm import RMSNorm  # noqa: E402
 from srt.layers.logits_processor import softcap_logits, softcap_logits_reference  # noqa: E402
 from srt.layers.rotary import apply_rotary  # noqa: E402
+from srt.layers.split_k import linear_partials  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -207,6 +209,45 @@ def test_add_rms_norm_then_norm_kernel(dtype: torch.dtype, with_scale: bool) -> 
     ref_summed, ref_normed = add_rms_norm_then_norm(cpu[0], cpu[1], cpu[2], EPS, cpu[3], 1e-5, cpu[4])
     assert torch.equal(ref_summed, add_rms_norm_reference(cpu[0], cpu[1], cpu[2], EPS, cpu[4]))
     assert torch.equal(ref_normed, next_norm.cpu().reference(ref_summed))
+
+
+@pytest.mark.parametrize("splits", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_of_split_k_partials(splits: int, dtype: torch.dtype) -> None:
+    """x as float32 K-split partial sums [splits, tokens, hidden] (`split_k.linear_partials`): the kernel and
+    the reference both sum them in split order and round to the dtype, then add + norm as for a plain x."""
+    generator = torch.Generator().manual_seed(splits)
+    tokens, hidden = 3, 96
+    partials = (2 * torch.randn(splits, tokens, hidden, generator=generator)).to(DEVICE)
+    residual = torch.randn(tokens, hidden, generator=generator).to(DEVICE, dtype)
+    weight, next_weight = (random_weight(hidden, generator).to(DEVICE, dtype) for _ in range(2))
+    x = sum_partials(partials, dtype)
+    assert torch.equal(x, (partials[0] + partials[1] + (partials[2] if splits == 3 else 0)).to(dtype))
+    expected = add_rms_norm_then_norm(x, residual, weight, EPS, next_weight, EPS, use_triton=True)
+    got = add_rms_norm_then_norm(partials, residual, weight, EPS, next_weight, EPS, use_triton=True)
+    for g, e in zip(got, expected, strict=True):
+        assert g.dtype == dtype and torch.equal(g, e)  # the same rounded x goes in, so the same values come out
+    reference = add_rms_norm(partials.cpu(), residual.cpu(), weight.cpu(), EPS)  # the CPU default
+    assert torch.equal(reference, add_rms_norm_reference(x.cpu(), residual.cpu(), weight.cpu(), EPS))
+    with pytest.raises(ValueError, match="x torch.bfloat16"):  # partials are float32
+        add_rms_norm(partials.bfloat16(), residual, weight, EPS)
+
+
+def test_linear_partials_off_cuda_is_the_plain_product() -> None:
+    x, weight = torch.randn(4, 64), torch.randn(32, 64)
+    assert torch.equal(linear_partials(x, weight.t().contiguous().t()), F.linear(x, weight))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 32])
+def test_linear_partials_on_gpu_sum_to_the_product(rows: int) -> None:
+    x = torch.randn(rows, 10240, device="cuda").bfloat16()
+    weight = (torch.randn(10240, 2560, device="cuda") / 100).bfloat16().t()  # stored transposed, as the model's
+    partials = linear_partials(x, weight)
+    assert partials.shape == (2, rows, 2560) and partials.dtype == torch.float32
+    expected = F.linear(x, weight).float()
+    error = (sum_partials(partials, torch.bfloat16).float() - expected).abs().max() / expected.abs().max()
+    assert error < 1e-2, error  # within a bf16 rounding step of the largest output
 
 
 def test_add_rms_norm_float32_scale_keeps_the_dtype() -> None:

@@ -150,20 +150,24 @@ def rms_norm_rope(
 @jit
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, scale_ptr, out_ptr, next_weight_ptr, next_out_ptr,
-    stride_x, stride_residual, stride_out, stride_next_out, n_cols, eps, next_eps,
-    HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, NEXT_NORM: tl.constexpr, BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    stride_x_split, stride_x, stride_residual, stride_out, stride_next_out, n_cols, eps, next_eps,
+    SPLITS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, NEXT_NORM: tl.constexpr,
+    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    dtype = out_ptr.dtype.element_ty
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if SPLITS > 1:  # float32 K-split partial sums of the GEMM before: their sum, rounded as the GEMM rounds
+        for split in tl.static_range(1, SPLITS):
+            x += tl.load(x_ptr + split * stride_x_split + row * stride_x + cols, mask=mask, other=0.0)
+        x = round_to(x, dtype)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     normed = x * rstd
     if HAS_WEIGHT:
         normed = normed * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
     # round where torch does: the norm's output, the sum, the product with the scale
     normed = round_to(normed, dtype)
     residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
@@ -205,9 +209,11 @@ def add_rms_norm(
 ) -> torch.Tensor:
     """(residual + RMSNorm(x) * weight) * scale as a new [tokens, hidden] tensor in residual's dtype.
 
-    x, residual: [tokens, hidden] of one dtype, any row strides (contiguous last dim). weight: [hidden] or
-    None. scale: a 1-element tensor (the layer scalar, read on the device: graph-safe) or None. The norm
-    output, the sum and the scaled sum are each rounded to the dtype, as the op-by-op torch code rounds them.
+    x, residual: [tokens, hidden] of one dtype, any row strides (contiguous last dim); x may instead be the
+    [splits, tokens, hidden] float32 partial sums of a split-K projection (`split_k.linear_partials`), summed
+    in split order and rounded to residual's dtype first. weight: [hidden] or None. scale: a 1-element tensor
+    (the layer scalar, read on the device: graph-safe) or None. The norm output, the sum and the scaled sum
+    are each rounded to the dtype, as the op-by-op torch code rounds them.
     """
     return _add_rms_norm(x, residual, weight, eps, scale, None, 0.0, use_triton)[0]
 
@@ -239,14 +245,17 @@ def _add_rms_norm(
     next_eps: float,
     use_triton: bool | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if x.shape != residual.shape or x.dtype != residual.dtype:
+    partials = x.dim() == 3
+    if x.shape[-2:] != residual.shape or x.dtype != (torch.float32 if partials else residual.dtype):
         raise ValueError(f"add_rms_norm: x {x.dtype}{list(x.shape)} vs residual {residual.dtype}{list(residual.shape)}")
     if not runs_triton(x.device, use_triton, _add_rms_norm_kernel):
+        if partials:
+            x = sum_partials(x, residual.dtype)
         summed = add_rms_norm_reference(x, residual, weight, eps, scale)
         return summed, None if next_weight is None else _rms_norm_reference(summed, next_weight, next_eps)
     x, residual = last_dim_contiguous(x), last_dim_contiguous(residual)
-    tokens, hidden = x.shape
-    out = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+    tokens, hidden = residual.shape
+    out = torch.empty((tokens, hidden), dtype=residual.dtype, device=x.device)
     next_out = None if next_weight is None else torch.empty_like(out)
     if tokens:
         block = triton.next_power_of_2(hidden)
@@ -254,11 +263,21 @@ def _add_rms_norm(
         _add_rms_norm_kernel[(tokens,)](
             x, residual, weight if weight is not None else x, scale if scale is not None else x, out,
             next_weight if next_weight is not None else x, next_out if next_out is not None else out,
-            x.stride(0), residual.stride(0), out.stride(0), out.stride(0), hidden, eps, next_eps,  # next_out: as out
-            HAS_WEIGHT=weight is not None, HAS_SCALE=scale is not None, NEXT_NORM=next_weight is not None,
-            BLOCK=block, USE_PDL=bool(launch), num_warps=add_norm_warps(block), **launch,
+            x.stride(0) if partials else 0, x.stride(-2), residual.stride(0), out.stride(0), out.stride(0),
+            hidden, eps, next_eps,  # next_out: as out
+            SPLITS=x.shape[0] if partials else 1, HAS_WEIGHT=weight is not None, HAS_SCALE=scale is not None,
+            NEXT_NORM=next_weight is not None, BLOCK=block, USE_PDL=bool(launch), num_warps=add_norm_warps(block),
+            **launch,
         )  # fmt: skip
     return out, next_out
+
+
+def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[splits, tokens, hidden] float32 partial sums -> their sum in split order, rounded to `dtype`."""
+    total = partials[0]
+    for part in partials[1:]:
+        total = total + part
+    return total.to(dtype)
 
 
 def add_norm_warps(block: int) -> int:

@@ -44,6 +44,7 @@ from srt.layers.moe.router import Router
 from srt.layers.ple_kernels import per_layer_input_projection
 from srt.layers.qkv_norm_rope_store import QKVLayout, qkv_norm_rope_store
 from srt.layers.rotary import RotaryEmbedding
+from srt.layers.split_k import linear_partials
 from srt.model_executor.forward_batch import ForwardBatch
 
 if TYPE_CHECKING:
@@ -135,7 +136,7 @@ class Gemma4Attention(nn.Module):
         if not self.spec.owns_kv:
             q = self._norm_rope(self.q_norm, self.q_proj(hidden).view(tokens, -1, dim), cos, sin)
             out = backend.forward(q, None, None, self.spec, batch, save_kv=False)
-            return self.o_proj(out.reshape(tokens, -1))
+            return linear_partials(out.reshape(tokens, -1), self.o_proj.weight)
         if self.qkv_proj is None:
             raise RuntimeError("Gemma4Attention runs after fuse_projections() (load_model calls it)")
         # norms, RoPE and the K/V cache write in one kernel on GPU; the attention then reads the cache only
@@ -151,7 +152,7 @@ class Gemma4Attention(nn.Module):
             batch.out_cache_loc,
         )
         out = backend.forward(q, None, None, self.spec, batch, save_kv=False)
-        return self.o_proj(out.reshape(tokens, -1))
+        return linear_partials(out.reshape(tokens, -1), self.o_proj.weight)
 
     @staticmethod
     def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -179,7 +180,7 @@ class Gemma4MLP(nn.Module):
             raise RuntimeError("Gemma4MLP runs after fuse_projections() (load_model calls it)")
         # cuBLAS on the transposed weight, then gelu * up: a Triton GEMV with it folded in (skinny_gemm.py until
         # the 14th session) was slower on this layout
-        return self.down_proj(gelu_tanh_mul_packed(self.gate_up_proj(x)))
+        return linear_partials(gelu_tanh_mul_packed(self.gate_up_proj(x)), self.down_proj.weight)
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -222,7 +223,9 @@ class Gemma4DecoderLayer(nn.Module):
         next_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(new hidden, next_norm(new hidden) or None). `attn_input` is input_layernorm(hidden): the layer
-        before computes it in the kernel of its last residual add, as this one does for `next_norm`."""
+        before computes it in the kernel of its last residual add, as this one does for `next_norm`. The
+        attention and MLP outputs may come as K-split partial sums (`split_k.linear_partials`): the add + norm
+        kernels after them take either form."""
         attn = self.self_attn(attn_input, cos_sin, batch, backend)
         hidden, mlp_input = add_norm_then_norm(
             self.post_attention_layernorm, attn, hidden, self.pre_feedforward_layernorm
