@@ -17,7 +17,6 @@ import torch
 
 from srt.configs.model_config import FULL, SLIDING, AttentionLayerSpec
 from srt.layers.attention import create_attention_backend
-from srt.layers.attention.base import QueryNormRope
 from srt.layers.attention.triton_backend import TritonAttentionBackend
 from srt.layers.attention.triton_kernels import decode_attention as decode_kernels
 from srt.layers.attention.triton_kernels.extend_attention import build_extend_tiles
@@ -225,30 +224,6 @@ def test_decode_kernel_any_split_count_gives_the_same_output(num_splits: int) ->
             decode_kernels.default_decode_config(spec.head_dim, DEVICE.type == "cuda"),
         )
         torch.testing.assert_close(got, expected, atol=FP32_TOL, rtol=FP32_TOL)
-
-
-@pytest.mark.parametrize("sliding_kv,full_kv,window", GQA)
-def test_decode_applies_q_norm_rope_as_it_loads_q(sliding_kv: int, full_kv: int, window: int) -> None:
-    """A raw q with `q_norm_rope` (KV-shared layers): the decode kernel norms and ropes it on load; the output
-    is the attention of `rms_norm_rope(q)` (torch_native's path), padded GQA rows included."""
-    torch.manual_seed(4)
-    state = PagedState(make_layers(sliding_kv, full_kv, window=window))
-    rows = [state.add_request(n) for n in (40, 7, 19)]
-    out_loc = torch.cat([state.new_slots(row, 1) for row in rows])
-    batch = state.batch(ForwardMode.DECODE, rows, [1] * len(rows), out_loc)
-    reference, triton_backend = create_attention_backend("torch_native"), create_attention_backend("triton")
-    ref_batch, triton_batch = dataclasses.replace(batch), dataclasses.replace(batch)
-    reference.init_forward_metadata(ref_batch)
-    triton_backend.init_forward_metadata(triton_batch)
-    for spec in state.layers[2:]:  # the KV-shared ones
-        q = 3 * torch.randn(len(rows), HEADS, spec.head_dim, device=DEVICE)
-        angles = torch.rand(len(rows), spec.head_dim, device=DEVICE) * 6
-        q_norm_rope = QueryNormRope(torch.rand(spec.head_dim, device=DEVICE) + 0.5, 1e-6, angles.cos(), angles.sin())
-        expected = reference.forward(q, None, None, spec, ref_batch, save_kv=False, q_norm_rope=q_norm_rope)
-        got = triton_backend.forward(q, None, None, spec, triton_batch, save_kv=False, q_norm_rope=q_norm_rope)
-        torch.testing.assert_close(got, expected, atol=FP32_TOL, rtol=FP32_TOL)
-        normed_first = reference.forward(q_norm_rope.apply(q), None, None, spec, ref_batch, save_kv=False)
-        assert torch.equal(expected, normed_first)
 
 
 @pytest.mark.parametrize("sliding_kv,full_kv,window", GQA)

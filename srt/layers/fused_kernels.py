@@ -59,13 +59,12 @@ def norm_rope_head(
 ):  # fmt: skip
     """One head's RMSNorm (rounded to `dtype`, as RMSNorm returns it), then RoPE in float32 rounded once;
     float32 values of `dtype`. rotate_half pairs column c with (c + HEAD_DIM/2) % HEAD_DIM, loaded a second
-    time (an L1 hit) rather than shuffled in registers. `x_row` may also be an [R, 1] block of head rows (of
-    one token: one cos/sin row), giving [R, HEAD_DIM]."""
+    time (an L1 hit) rather than shuffled in registers."""
     HALF: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, HEAD_DIM)
     partner = (cols + HALF) % HEAD_DIM
     x = tl.load(x_row + cols).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=-1, keep_dims=True) / HEAD_DIM + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
     y = x * rstd
     if HAS_WEIGHT:
         y = y * tl.load(weight_ptr + cols).to(tl.float32)

@@ -30,11 +30,12 @@ import torch
 from torch import nn
 
 from srt.configs.model_config import AttentionLayerSpec, ModelConfig
-from srt.layers.attention.base import AttentionBackend, QueryNormRope
+from srt.layers.attention.base import AttentionBackend
 from srt.layers.fused_kernels import (
     add_rms_norm,
     add_rms_norm_then_norm,
     gelu_tanh_mul_packed,
+    rms_norm_rope,
 )
 from srt.layers.layernorm import RMSNorm
 from srt.layers.logits_processor import LogitsOutput, compute_logits
@@ -133,10 +134,8 @@ class Gemma4Attention(nn.Module):
         tokens, dim = hidden.shape[0], self.spec.head_dim
         cos, sin = cos_sin
         if not self.spec.owns_kv:
-            # q's norm and RoPE: in the attention backend (the decode kernel applies them as it loads q)
-            q_norm_rope = QueryNormRope(self.q_norm.weight, self.q_norm.eps, cos, sin)
-            q = self.q_proj(hidden).view(tokens, -1, dim)
-            out = backend.forward(q, None, None, self.spec, batch, save_kv=False, q_norm_rope=q_norm_rope)
+            q = self._norm_rope(self.q_norm, self.q_proj(hidden).view(tokens, -1, dim), cos, sin)
+            out = backend.forward(q, None, None, self.spec, batch, save_kv=False)
             return linear_partials(out.reshape(tokens, -1), self.o_proj.weight)
         if self.qkv_proj is None:
             raise RuntimeError("Gemma4Attention runs after fuse_projections() (load_model calls it)")
@@ -154,6 +153,10 @@ class Gemma4Attention(nn.Module):
         )
         out = backend.forward(q, None, None, self.spec, batch, save_kv=False)
         return linear_partials(out.reshape(tokens, -1), self.o_proj.weight)
+
+    @staticmethod
+    def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return rms_norm_rope(x, norm.weight, cos, sin, norm.eps)
 
 
 class Gemma4MLP(nn.Module):

@@ -3,25 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import NamedTuple
 
 import torch
 
 from srt.configs.model_config import AttentionLayerSpec
-from srt.layers.fused_kernels import rms_norm_rope
 from srt.model_executor.forward_batch import ForwardBatch
-
-
-class QueryNormRope(NamedTuple):
-    """The RMSNorm (weight, eps) and RoPE (cos, sin: [tokens, head_dim]) still to apply to a raw q."""
-
-    weight: torch.Tensor
-    eps: float
-    cos: torch.Tensor
-    sin: torch.Tensor
-
-    def apply(self, q: torch.Tensor) -> torch.Tensor:
-        return rms_norm_rope(q, self.weight, self.cos, self.sin, self.eps)
 
 
 class AttentionBackend(ABC):
@@ -44,12 +30,8 @@ class AttentionBackend(ABC):
         layer: AttentionLayerSpec,
         batch: ForwardBatch,
         save_kv: bool = True,
-        q_norm_rope: QueryNormRope | None = None,
     ) -> torch.Tensor:
         """Attention output [tokens, heads, head_dim] for q [tokens, heads, head_dim].
-
-        With `q_norm_rope`, q comes before its RMSNorm and RoPE and the backend applies them (the triton decode
-        kernel as it loads q: a launch less per KV-shared layer).
 
         When `save_kv`, k and v ([tokens, kv_heads, head_dim]) of the batch's new tokens are first written
         to the layer's pool at `batch.out_cache_loc`. A KV-shared layer passes no k/v and reads its owner's

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from srt.configs.model_config import AttentionLayerSpec
-from srt.layers.attention.base import AttentionBackend, QueryNormRope
+from srt.layers.attention.base import AttentionBackend
 from srt.model_executor.forward_batch import ForwardBatch
 
 
@@ -55,10 +55,7 @@ class TorchNativeAttentionBackend(AttentionBackend):
         layer: AttentionLayerSpec,
         batch: ForwardBatch,
         save_kv: bool = True,
-        q_norm_rope: QueryNormRope | None = None,
     ) -> torch.Tensor:
-        if q_norm_rope is not None:
-            q = q_norm_rope.apply(q)
         pool = batch.kv_pool
         if save_kv:
             pool.write(layer.layer_id, batch.out_cache_loc, k, v)

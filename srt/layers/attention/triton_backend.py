@@ -21,7 +21,7 @@ from functools import cache
 import torch
 
 from srt.configs.model_config import AttentionLayerSpec
-from srt.layers.attention.base import AttentionBackend, QueryNormRope
+from srt.layers.attention.base import AttentionBackend
 from srt.layers.attention.triton_kernels.decode_attention import (
     decode_attention,
     decode_partials,
@@ -106,17 +106,14 @@ class TritonAttentionBackend(AttentionBackend):
         layer: AttentionLayerSpec,
         batch: ForwardBatch,
         save_kv: bool = True,
-        q_norm_rope: QueryNormRope | None = None,
     ) -> torch.Tensor:
-        meta: TritonAttentionMetadata = batch.attn_metadata
-        if q_norm_rope is not None and not meta.use_decode_kernel:
-            q, q_norm_rope = q_norm_rope.apply(q), None  # the decode kernel applies it as it loads q
         pool = batch.kv_pool
         if save_kv:
             pool.write(layer.layer_id, batch.out_cache_loc, k, v)
         k_buffer, v_buffer = pool.kv_buffers(layer.layer_id)
         req_to_token = batch.req_to_token_pool.req_to_token
         full_to_swa = pool.allocator.full_to_swa
+        meta: TritonAttentionMetadata = batch.attn_metadata
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_rows, num_heads, head_dim = q.shape
@@ -151,7 +148,6 @@ class TritonAttentionBackend(AttentionBackend):
                 splits,
                 partials,
                 default_decode_config(head_dim, on_gpu),
-                q_norm_rope,
             )
             return out
 

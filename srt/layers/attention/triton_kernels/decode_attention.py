@@ -28,9 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from srt.layers.attention.base import QueryNormRope
 from srt.layers.attention.triton_kernels.paged_kv import LOG2E, dot_precision, kv_slots, row_kv_bounds
-from srt.layers.fused_kernels import norm_rope_head
 from srt.layers.triton_support import pdl_launch, pdl_start
 
 MAX_KV_SPLITS = 64
@@ -82,9 +80,6 @@ def _decode_split_kernel(
     row_pool_ptr,
     row_seq_lens_ptr,
     positions_ptr,
-    q_norm_ptr,
-    cos_ptr,
-    sin_ptr,
     window,
     num_heads,
     stride_qt,
@@ -96,16 +91,12 @@ def _decode_split_kernel(
     stride_vt,
     stride_vh,
     stride_req,
-    stride_cos,
-    stride_sin,
-    q_eps,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SLIDING: tl.constexpr,
-    Q_NORM_ROPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -127,15 +118,9 @@ def _decode_split_kernel(
     heads = kv_head * GROUP + offs_h
     slot = kv_slots(req_to_token_row, full_to_swa_ptr, lo + offs_n, lo + offs_n < hi, SLIDING)
     pdl_start(USE_PDL)
-    if Q_NORM_ROPE:  # the raw q: RMSNorm then RoPE here (padding rows repeat a real head; their output is dropped)
-        q_rows = q_ptr + row * stride_qt + tl.where(h_ok, heads, kv_head * GROUP)[:, None] * stride_qh
-        q = norm_rope_head(
-            q_rows, q_norm_ptr, cos_ptr + row * stride_cos, sin_ptr + row * stride_sin, q_eps,
-            q_ptr.dtype.element_ty, HEAD_DIM, True, True,
-        ).to(k_ptr.dtype.element_ty)  # fmt: skip
-    else:
-        q_offsets = row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-        q = tl.load(q_ptr + q_offsets, mask=h_ok[:, None], other=0.0).to(k_ptr.dtype.element_ty)
+    q = tl.load(
+        q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None], other=0.0
+    ).to(k_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -232,13 +217,11 @@ def decode_attention(
     num_splits: int,
     partials: tuple[torch.Tensor, torch.Tensor] | None,
     config: DecodeConfig,
-    q_norm_rope: QueryNormRope | None = None,
 ) -> None:
     """Write into `out` [rows, heads, head_dim] the attention of each row's single query over its KV.
 
     Row r belongs to the request in req_to_token row `row_pool_indices[r]` with `row_seq_lens[r]` tokens of
-    KV; `partials` (from `decode_partials`) is needed when num_splits > 1. With `q_norm_rope` (a scaled
-    RMSNorm), q is raw and each program norms and ropes its heads as it loads them, as `rms_norm_rope` does.
+    KV; `partials` (from `decode_partials`) is needed when num_splits > 1.
     """
     num_rows, num_heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
@@ -246,12 +229,6 @@ def decode_attention(
     sliding = sliding_window is not None
     window = sliding_window or 0
     part_o, part_lse = partials if num_splits > 1 else (out, out)
-    if q_norm_rope is not None:
-        q_norm, q_eps, cos, sin = q_norm_rope
-        if cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.dtype != q.dtype or sin.dtype != q.dtype:
-            raise ValueError("decode_attention: cos/sin need a contiguous last dim and q's dtype")
-    else:  # pointers the kernel never reads
-        q_norm, q_eps, cos, sin = q, 0.0, q[:, 0], q[:, 0]
     launch = pdl_launch(q.device, _decode_split_kernel)
     _decode_split_kernel[(num_rows, kv_heads, num_splits)](
         q,
@@ -265,9 +242,6 @@ def decode_attention(
         row_pool_indices,
         row_seq_lens,
         positions,
-        q_norm,
-        cos,
-        sin,
         window,
         num_heads,
         q.stride(0),
@@ -279,16 +253,12 @@ def decode_attention(
         v_buffer.stride(0),
         v_buffer.stride(1),
         req_to_token.stride(0),
-        cos.stride(0),
-        sin.stride(0),
-        q_eps,
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_N=config.block_n,
         NUM_SPLITS=num_splits,
         SLIDING=sliding,
-        Q_NORM_ROPE=q_norm_rope is not None,
         DOT_PRECISION=dot_precision(q.dtype == torch.float32),
         USE_PDL=bool(launch),
         num_warps=config.num_warps,
