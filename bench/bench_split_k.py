@@ -4,7 +4,7 @@
 
 cuBLAS runs E4B's down projection (K = 10240) at 32 rows as a split-K GEMM plus a reduction kernel. If the
 GEMM wrote its K-split partial sums in float32 instead, the residual add + norm that reads the output could
-sum them itself: one launch less per layer. For the E4B shapes with the longest K, per row count, a CUDA graph
+sum them itself: one launch less per layer. For E4B's projections, per row count, a CUDA graph
 over enough weight copies to overflow L2 times (CUDA events):
 
     nn          x @ W^T on the row-major W^T srt stores (bf16 out: cuBLAS's own split-K and reduction)
@@ -24,7 +24,15 @@ import torch
 from timing import time_cuda, write_json
 
 L2_OVERFLOW_BYTES = 256 * 1024**2
-SHAPES = {"down": (2560, 10240), "o_full": (2560, 4096), "o": (2560, 2048)}  # E4B (N, K)
+SHAPES = {  # E4B (N, K)
+    "down": (2560, 10240),
+    "o_full": (2560, 4096),
+    "o": (2560, 2048),
+    "gate_up": (20480, 2560),
+    "qkv_full": (6144, 2560),
+    "qkv": (3072, 2560),
+    "q": (2048, 2560),
+}
 SPLITS = (2, 4, 5, 8)
 
 
