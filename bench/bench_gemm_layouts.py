@@ -9,6 +9,8 @@ of asking cuBLAS for x @ W^T:
     linear      F.linear(x, W), W [N, K] contiguous, as nn.Linear stores it
     nn          x @ Wt with Wt = W^T stored [K, N] contiguous: what srt runs (gemma4.store_transposed)
     lt_*        the same two with torch.backends.cuda.preferred_blas_library("cublaslt")
+    bmm_s{S}    S K-chunks of nn as one batched GEMM with float32 output, [S, rows, N] partial sums for the
+                add + norm after the projection to sum (srt's o and down at decode sizes: layers/split_k.py)
 
 and prints microseconds per projection, the bandwidth of the best and its speedup over `linear`. Every
 variant's output is checked against `linear`'s (max error relative to the largest output).
@@ -60,7 +62,16 @@ def variants(weights: list[torch.Tensor]) -> dict[str, tuple[str, list[torch.Ten
         "nn": ("cublas", transposed, nn),
         "lt_linear": ("cublaslt", weights, linear),
         "lt_nn": ("cublaslt", transposed, nn),
+        "bmm_s2": ("cublas", transposed, lambda x, wt: split_k_partials(x, wt, 2)),
+        "bmm_s4": ("cublas", transposed, lambda x, wt: split_k_partials(x, wt, 4)),
     }
+
+
+def split_k_partials(x: torch.Tensor, weight_t: torch.Tensor, splits: int) -> torch.Tensor:
+    """[splits, rows, N] float32 partial sums of x @ weight_t over K-chunks (K a multiple of `splits`)."""
+    rows, k = x.shape
+    chunks = x.view(rows, splits, k // splits).transpose(0, 1)
+    return torch.bmm(chunks, weight_t.view(splits, k // splits, -1), out_dtype=torch.float32)
 
 
 def run_shape(n: int, k: int, rows: int) -> dict:
@@ -73,6 +84,7 @@ def run_shape(n: int, k: int, rows: int) -> dict:
         torch.backends.cuda.preferred_blas_library(library)
         try:
             got = fn(x, operands[0]).float()
+            got = got.sum(0) if got.dim() == 3 else got  # partial sums
             step = lambda fn=fn, operands=operands: [fn(x, w) for w in operands]  # noqa: E731
             us = 1e6 * time_cuda(step, warmup=5, repeats=30, use_graph=True) / copies
         finally:
