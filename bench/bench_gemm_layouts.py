@@ -7,7 +7,7 @@ and each row count, a CUDA graph over enough copies of the weight to overflow L2
 of asking cuBLAS for x @ W^T:
 
     linear      F.linear(x, W), W [N, K] contiguous, as nn.Linear stores it
-    nn          x @ Wt with Wt = W^T stored [K, N] contiguous: what srt runs (gemma4.store_transposed)
+    nn          x @ Wt with Wt = W^T stored [K, N] contiguous: what srt runs (gemma4_layers.store_transposed)
     lt_*        the same two with torch.backends.cuda.preferred_blas_library("cublaslt")
     bmm_s{S}    S K-chunks of nn as one batched GEMM with float32 output, [S, rows, N] partial sums for the
                 add + norm after the projection to sum (srt's o and down at decode sizes: layers/split_k.py)
