@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from timing import time_cuda, write_json
 
 from srt.layers import ple_kernels
-from srt.layers.fused_kernels import gelu_tanh_mul
+from srt.layers.gelu_kernels import gelu_tanh_mul
 from srt.layers.ple_kernels import per_layer_input_projection
 
 MODELS = {"E4B": 2560, "E2B": 1536}  # hidden size; ple_dim is 256 in both

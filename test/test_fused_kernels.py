@@ -22,13 +22,11 @@ from srt.layers.fused_kernels import (  # noqa: E402
     add_rms_norm,
     add_rms_norm_reference,
     add_rms_norm_then_norm,
-    gelu_tanh_mul,
-    gelu_tanh_mul_packed,
-    gelu_tanh_mul_reference,
     rms_norm_rope,
     rms_norm_rope_reference,
     sum_partials,
 )
+from srt.layers.gelu_kernels import gelu_tanh_mul, gelu_tanh_mul_packed, gelu_tanh_mul_reference  # noqa: E402
 from srt.layers.layernorm import RMSNorm  # noqa: E402
 from srt.layers.logits_processor import softcap_logits, softcap_logits_reference  # noqa: E402
 from srt.layers.rotary import apply_rotary  # noqa: E402

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from srt.layers.fused_kernels import gelu_tanh_mul, gelu_tanh_mul_reference  # noqa: E402
+from srt.layers.gelu_kernels import gelu_tanh_mul, gelu_tanh_mul_reference  # noqa: E402
 from srt.layers.ple_kernels import (  # noqa: E402
     MAX_ROWS,
     per_layer_input_projection,

@@ -6,7 +6,7 @@ At batch 1 a decode step is bound by kernel launches (~2 us each), not by bytes;
 - `rms_norm_rope`: the q/k norm and rotate-half RoPE (norm, cast, two muls, neg, cat, add).
 - `add_rms_norm`: a post-attention / post-feedforward norm, the residual add and the layer scalar;
   `add_rms_norm_then_norm` also returns the next RMSNorm of the sum (e.g. the next layer's input norm).
-- `gelu_tanh_mul` / `gelu_tanh_mul_packed`: the MLP's gelu(gate, tanh) * up, straight from the gate_up GEMM.
+- (the MLP's gelu(gate, tanh) * up is in `gelu_kernels.py`.)
 
 Each op has a pure-torch `*_reference` next to it: the reference is the math (it is what `RMSNorm`,
 `apply_rotary` and the MLP compute today, op by op) and the CPU path. The wrappers take `use_triton`:
@@ -20,7 +20,6 @@ vs tanh), which can flip the last bit of a rounded bf16 value now and then:
 - the RMSNorm output is rounded to x's dtype before anything uses it, as `RMSNorm` returns it;
 - `add_rms_norm` rounds the sum, then the product with the scale: torch's two ops, each exact in float32
   and rounded once;
-- `gelu_tanh_mul` rounds gelu(gate), then the product: torch's two ops;
 - `rms_norm_rope` is the one exception: y * cos + rotate_half(y) * sin is computed in float32 from the
   rounded y, cos and sin and rounded once, where torch rounds y * cos, rotate_half(y) * sin and their sum
   each to bf16. The fused result is the more accurate one; the two differ by at most a couple of bf16 ulps
@@ -34,7 +33,6 @@ Everything is CUDA-graph safe: no host syncs, and None weights/scales select a c
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from srt.layers.triton_support import jit, last_dim_contiguous, pdl_launch, pdl_start, round_to, runs_triton, tl, triton
 
@@ -283,74 +281,3 @@ def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def add_norm_warps(block: int) -> int:
     """Warps of the add + norm kernel for a row of `block` (a power of two) columns."""
     return min(16, max(1, block // 256))
-
-
-# ---------------------------------------------------------------------------------------------------------
-# gelu(gate, tanh) * up
-
-
-@jit
-def gelu_tanh_f32(x):
-    """gelu(x, approximate="tanh") of float32 `x`: 0.5 * (1 + tanh(z)) == sigmoid(2z), so no tanh is needed
-    and there is no cancellation for negative z (the clamp only keeps exp finite: gelu is ~1e-35 * x there
-    either way)."""
-    inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)  # sqrt(2 / pi) * (...)
-    return x / (1.0 + tl.exp(tl.minimum(-2.0 * inner, 80.0)))
-
-
-@jit
-def gelu_tanh_mul_rounded(gate, up, DTYPE: tl.constexpr):
-    """gelu_tanh(gate) * up of float32 values already rounded to DTYPE, rounded where torch rounds: gelu's
-    output, then the product. Shared by every kernel that computes the MLP's or the PLE block's gelu * mul."""
-    return round_to(round_to(gelu_tanh_f32(gate), DTYPE) * up, DTYPE)
-
-
-@jit
-def _gelu_tanh_mul_kernel(
-    gate_ptr, up_ptr, out_ptr, stride_gate, stride_up, stride_out, n_cols,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
-    dtype = out_ptr.dtype.element_ty
-    out = gelu_tanh_mul_rounded(gate, up, dtype)
-    tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)
-
-
-def gelu_tanh_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """`F.gelu(gate, approximate="tanh") * up` (the math of `gelu_tanh_mul`)."""
-    return F.gelu(gate, approximate="tanh") * up
-
-
-def gelu_tanh_mul(gate: torch.Tensor, up: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
-    """gelu(gate, approximate="tanh") * up as a new contiguous [tokens, n] tensor in gate's dtype.
-
-    gate, up: [tokens, n] of one dtype with any row strides and a contiguous last dim, e.g. the two column
-    halves of one [tokens, 2n] GEMM output. gelu(gate) is rounded to the dtype before the product, as torch
-    rounds it.
-    """
-    if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"gelu_tanh_mul: gate {gate.dtype}{list(gate.shape)} vs up {up.dtype}{list(up.shape)}")
-    if not runs_triton(gate.device, use_triton, _gelu_tanh_mul_kernel):
-        return gelu_tanh_mul_reference(gate, up)
-    gate, up = last_dim_contiguous(gate), last_dim_contiguous(up)
-    tokens, n = gate.shape
-    out = torch.empty((tokens, n), dtype=gate.dtype, device=gate.device)
-    if tokens and n:
-        block = min(1024, triton.next_power_of_2(n))
-        _gelu_tanh_mul_kernel[(tokens, triton.cdiv(n, block))](
-            gate, up, out, gate.stride(0), up.stride(0), out.stride(0), n,
-            BLOCK=block, num_warps=max(1, min(4, block // 256)),
-        )  # fmt: skip
-    return out
-
-
-def gelu_tanh_mul_packed(gate_up: torch.Tensor, use_triton: bool | None = None) -> torch.Tensor:
-    """`gelu_tanh_mul` of a [tokens, 2n] tensor whose first n columns are gate and last n are up."""
-    if gate_up.shape[-1] % 2:
-        raise ValueError(f"gelu_tanh_mul_packed needs an even number of columns, got {gate_up.shape[-1]}")
-    gate, up = gate_up.chunk(2, dim=-1)
-    return gelu_tanh_mul(gate, up, use_triton=use_triton)

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from srt.layers.fused_kernels import gelu_tanh_mul, gelu_tanh_mul_reference, gelu_tanh_mul_rounded
+from srt.layers.gelu_kernels import gelu_tanh_mul, gelu_tanh_mul_reference, gelu_tanh_mul_rounded
 from srt.layers.triton_support import (
     dot_options,
     jit,

@@ -13,12 +13,8 @@ from torch import nn
 
 from srt.configs.model_config import AttentionLayerSpec, ModelConfig
 from srt.layers.attention.base import AttentionBackend
-from srt.layers.fused_kernels import (
-    add_rms_norm,
-    add_rms_norm_then_norm,
-    gelu_tanh_mul_packed,
-    rms_norm_rope,
-)
+from srt.layers.fused_kernels import add_rms_norm, add_rms_norm_then_norm, rms_norm_rope
+from srt.layers.gelu_kernels import gelu_tanh_mul_packed
 from srt.layers.layernorm import RMSNorm
 from srt.layers.moe.experts import Experts
 from srt.layers.moe.router import Router
