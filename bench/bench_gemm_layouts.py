@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from timing import time_cuda, write_json
 
 from srt.configs.presets import preset_text_kwargs
+from srt.layers.split_k import linear_partials
 
 L2_OVERFLOW_BYTES = 256 * 1024**2
 
@@ -62,16 +63,9 @@ def variants(weights: list[torch.Tensor]) -> dict[str, tuple[str, list[torch.Ten
         "nn": ("cublas", transposed, nn),
         "lt_linear": ("cublaslt", weights, linear),
         "lt_nn": ("cublaslt", transposed, nn),
-        "bmm_s2": ("cublas", transposed, lambda x, wt: split_k_partials(x, wt, 2)),
-        "bmm_s4": ("cublas", transposed, lambda x, wt: split_k_partials(x, wt, 4)),
+        "bmm_s2": ("cublas", transposed, lambda x, wt: linear_partials(x, wt.t(), splits=2)),
+        "bmm_s4": ("cublas", transposed, lambda x, wt: linear_partials(x, wt.t(), splits=4)),
     }
-
-
-def split_k_partials(x: torch.Tensor, weight_t: torch.Tensor, splits: int) -> torch.Tensor:
-    """[splits, rows, N] float32 partial sums of x @ weight_t over K-chunks (K a multiple of `splits`)."""
-    rows, k = x.shape
-    chunks = x.view(rows, splits, k // splits).transpose(0, 1)
-    return torch.bmm(chunks, weight_t.view(splits, k // splits, -1), out_dtype=torch.float32)
 
 
 def run_shape(n: int, k: int, rows: int) -> dict:

@@ -18,16 +18,16 @@ SPLITS = 2
 MAX_ROWS = 32  # decode batch sizes (measured at 1 and 32 rows); prefill runs the plain GEMM
 
 
-def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, splits: int = SPLITS) -> torch.Tensor:
     """x @ weight^T for x [T, K] and an nn.Linear weight [N, K] stored transposed (a view of a contiguous
-    [K, N]): [SPLITS, T, N] float32 partial sums over K-chunks on CUDA for T <= MAX_ROWS rows, else the plain
+    [K, N]): [splits, T, N] float32 partial sums over K-chunks on CUDA for T <= MAX_ROWS rows, else the plain
     [T, N] product. Only for outputs that `add_rms_norm` (or `add_rms_norm_then_norm`) reads next. Graph safe."""
     rows, k = x.shape
     weight_t = weight.t()
-    if not (x.is_cuda and 0 < rows <= MAX_ROWS and k % SPLITS == 0 and weight_t.is_contiguous()):
+    if not (x.is_cuda and 0 < rows <= MAX_ROWS and k % splits == 0 and weight_t.is_contiguous()):
         return F.linear(x, weight)
-    chunks = x.contiguous().view(rows, SPLITS, k // SPLITS).transpose(0, 1)
-    weight_chunks = weight_t.view(SPLITS, k // SPLITS, weight_t.shape[1])
+    chunks = x.contiguous().view(rows, splits, k // splits).transpose(0, 1)
+    weight_chunks = weight_t.view(splits, k // splits, weight_t.shape[1])
     if x.dtype == torch.float32:
         return torch.bmm(chunks, weight_chunks)
     return torch.bmm(chunks, weight_chunks, out_dtype=torch.float32)

@@ -98,29 +98,23 @@ class Gemma4Attention(nn.Module):
         tokens, dim = hidden.shape[0], self.spec.head_dim
         cos, sin = cos_sin
         if not self.spec.owns_kv:
-            q = self._norm_rope(self.q_norm, self.q_proj(hidden).view(tokens, -1, dim), cos, sin)
-            out = backend.forward(q, None, None, self.spec, batch, save_kv=False)
-            return linear_partials(out.reshape(tokens, -1), self.o_proj.weight)
-        if self.qkv_proj is None:
+            q = rms_norm_rope(self.q_proj(hidden).view(tokens, -1, dim), self.q_norm.weight, cos, sin, self.q_norm.eps)
+        elif self.qkv_proj is None:
             raise RuntimeError("Gemma4Attention runs after fuse_projections() (load_model calls it)")
-        # norms, RoPE and the K/V cache write in one kernel on GPU; the attention then reads the cache only
-        q = qkv_norm_rope_store(
-            self.qkv_proj(hidden),
-            self.layout,
-            self.q_norm,
-            self.k_norm,
-            self.v_norm,
-            cos,
-            sin,
-            batch.kv_pool.cache_target(self.spec.layer_id),
-            batch.out_cache_loc,
-        )
+        else:  # norms, RoPE and the K/V cache write in one kernel on GPU; the attention then reads the cache only
+            q = qkv_norm_rope_store(
+                self.qkv_proj(hidden),
+                self.layout,
+                self.q_norm,
+                self.k_norm,
+                self.v_norm,
+                cos,
+                sin,
+                batch.kv_pool.cache_target(self.spec.layer_id),
+                batch.out_cache_loc,
+            )
         out = backend.forward(q, None, None, self.spec, batch, save_kv=False)
         return linear_partials(out.reshape(tokens, -1), self.o_proj.weight)
-
-    @staticmethod
-    def _norm_rope(norm: RMSNorm, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return rms_norm_rope(x, norm.weight, cos, sin, norm.eps)
 
 
 class Gemma4MLP(nn.Module):
