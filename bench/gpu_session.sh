@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in as few device calls as possible:
 #
-#     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab yoco layouts splitk norm moe serving profile)
+#     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab yoco layouts norm moe serving profile)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
 # serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
@@ -59,11 +59,6 @@ stage_yoco() {  # YOCO on/off, side by side in one process
 
 stage_layouts() {  # decode-sized projections: which cuBLAS call and weight layout streams them fastest
     timeout 300 python3 bench/bench_gemm_layouts.py --models ${LAYOUT_MODELS:-E4B E2B} --json "$RESULTS/gemm-layouts.json"
-}
-
-stage_splitk() {  # decode projections in a norm -> projection -> add + norm chain: cuBLAS vs K-split partials
-    timeout 400 python3 bench/bench_split_k.py --models ${SPLITK_MODELS:-E4B} ${SPLITK_ARGS:-} \
-        --json "$RESULTS/split-k.json"
 }
 
 stage_norm() {  # warps of the residual add + norm kernel

@@ -30,6 +30,7 @@ from srt.layers.gelu_kernels import gelu_tanh_mul, gelu_tanh_mul_packed, gelu_ta
 from srt.layers.layernorm import RMSNorm  # noqa: E402
 from srt.layers.logits_processor import softcap_logits, softcap_logits_reference  # noqa: E402
 from srt.layers.rotary import apply_rotary  # noqa: E402
+from srt.layers.split_k import linear_partials  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -228,6 +229,23 @@ def test_add_rms_norm_of_split_k_partials(splits: int, dtype: torch.dtype) -> No
     assert torch.equal(reference, add_rms_norm_reference(x.cpu(), residual.cpu(), weight.cpu(), EPS))
     with pytest.raises(ValueError, match="x torch.bfloat16"):  # partials are float32
         add_rms_norm(partials.bfloat16(), residual, weight, EPS)
+
+
+def test_linear_partials_off_cuda_is_the_plain_product() -> None:
+    x, weight = torch.randn(4, 64), torch.randn(32, 64)
+    assert torch.equal(linear_partials(x, weight.t().contiguous().t()), F.linear(x, weight))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 32])
+def test_linear_partials_on_gpu_sum_to_the_product(rows: int) -> None:
+    x = torch.randn(rows, 10240, device="cuda").bfloat16()
+    weight = (torch.randn(10240, 2560, device="cuda") / 100).bfloat16().t()  # stored transposed, as the model's
+    partials = linear_partials(x, weight)
+    assert partials.shape == (2, rows, 2560) and partials.dtype == torch.float32
+    expected = F.linear(x, weight).float()
+    error = (sum_partials(partials, torch.bfloat16).float() - expected).abs().max() / expected.abs().max()
+    assert error < 1e-2, error  # within a bf16 rounding step of the largest output
 
 
 def test_add_rms_norm_float32_scale_keeps_the_dtype() -> None:
