@@ -94,8 +94,12 @@ stage_profile() {  # where time goes, kernel by kernel (eager by default; PROFIL
         out="$RESULTS/profile-$model-$phase-bs$batch$suffix.txt"
         timeout 200 python3 bench/profile_forward.py --model-path gemma-4-$model-it --load-format dummy \
             --dtype bfloat16 --phase "$phase" --batch-size "$batch" --input-len 512 $graphs \
-            --rows 30 $extra >"$out" 2>&1
+            --rows 30 --trace "$RESULTS/trace.json" $extra >"$out" 2>&1
         grep -E "per forward|Self CUDA time total" "$out"
+        python3 bench/kernel_timeline.py "$RESULTS/trace.json" --steps 4 >"${out%.txt}-timeline.txt" 2>&1
+        python3 bench/kernel_timeline.py "$RESULTS/trace.json" --steps 4 --rows 0 --layer-marker _rms_norm_rope_kernel \
+            --layer-index 2 >>"${out%.txt}-timeline.txt" 2>&1
+        gzip -f "$RESULTS/trace.json" && mv "$RESULTS/trace.json.gz" "${out%.txt}-trace.json.gz"
     done
 }
 

@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=7000, help="Tokens per prompt.")
     parser.add_argument("--decode-steps", type=int, default=4, help="Decode steps profiled with --phase decode.")
     parser.add_argument("--rows", type=int, default=25, help="Operators to print per table.")
+    parser.add_argument("--trace", help="Also write the profile as a Chrome trace here (bench/kernel_timeline.py).")
     args = parser.parse_args()
     runner = ModelRunner(ServerArgs.from_cli(args))
     generator = torch.Generator().manual_seed(0)
@@ -61,6 +62,8 @@ def main() -> None:
     sort = "cuda_time_total" if runner.device.type == "cuda" else "cpu_time_total"
     print(prof.key_averages().table(sort_by=sort, row_limit=args.rows))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
 
 
 def print_step_timeline(runner: ModelRunner, prompts: list[list[int]], decode_steps: int) -> None:
