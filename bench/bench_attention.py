@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import triton
-from timing import time_cuda, write_json
+from timing import print_kernel_resources, time_cuda, write_json
 
 from srt.configs.model_config import FULL, SLIDING, AttentionLayerSpec
 from srt.layers.attention import create_attention_backend
@@ -300,6 +300,7 @@ def main() -> None:
     if args.chain:
         cases = [(name, requests) for name, mode, requests in CASES if mode.is_decode()]
         results = [r for name, requests in cases for r in run_chain(name, requests, args.sweep)]
+        print_kernel_resources(dk._decode_split_kernel, dk._decode_combine_kernel)
         return write_results(args.json, props, results)
     results = []
     for name, mode, requests in CASES:

@@ -111,3 +111,16 @@ def write_json(path: Path | None, default_name: str, payload: dict, indent: int 
         path.write_text(json.dumps(payload, indent=indent))
         print(f"wrote {path}")
     return path
+
+
+def print_kernel_resources(*kernels: object) -> None:
+    """Registers, spills and shared memory of every variant of these Triton kernels compiled so far (what
+    bounds how many CTAs an SM holds)."""
+    for kernel in kernels:
+        for device, caches in getattr(kernel, "device_caches", {}).items():
+            for compiled in caches[0].values():
+                meta = compiled.metadata
+                print(
+                    f"{kernel.__name__} (device {device}): {compiled.n_regs} registers, {compiled.n_spills} spills,"
+                    f" {meta.shared} B shared, {meta.num_warps} warps, {meta.num_stages} stages"
+                )

@@ -61,20 +61,27 @@ def norm_rope_head(
     HALF: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, HEAD_DIM)
     partner = (cols + HALF) % HEAD_DIM
+    # every load before the reduction, so that none waits on it
     x = tl.load(x_row + cols).to(tl.float32)
+    if HAS_WEIGHT:
+        weight = tl.load(weight_ptr + cols).to(tl.float32)
+    if ROPE:
+        x_partner = tl.load(x_row + partner).to(tl.float32)
+        cos = tl.load(cos_row + cols).to(tl.float32)
+        sin = tl.load(sin_row + cols).to(tl.float32)
+        if HAS_WEIGHT:
+            weight_partner = tl.load(weight_ptr + partner).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
     y = x * rstd
     if HAS_WEIGHT:
-        y = y * tl.load(weight_ptr + cols).to(tl.float32)
+        y = y * weight
     y = round_to(y, dtype)
     if ROPE:
-        y_partner = tl.load(x_row + partner).to(tl.float32) * rstd
+        y_partner = x_partner * rstd
         if HAS_WEIGHT:
-            y_partner = y_partner * tl.load(weight_ptr + partner).to(tl.float32)
+            y_partner = y_partner * weight_partner
         y_partner = round_to(y_partner, dtype)
         rotated = tl.where(cols < HALF, -y_partner, y_partner)
-        cos = tl.load(cos_row + cols).to(tl.float32)
-        sin = tl.load(sin_row + cols).to(tl.float32)
         y = round_to(y * cos + rotated * sin, dtype)
     return y
 
@@ -152,12 +159,20 @@ def _add_rms_norm_kernel(
     SPLITS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, NEXT_NORM: tl.constexpr,
     BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_start(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     dtype = out_ptr.dtype.element_ty
+    # the constant weights come from HBM while the kernel ahead runs, not after the reductions
+    if HAS_WEIGHT:
+        weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr).to(tl.float32)
+    if NEXT_NORM:
+        next_weight = tl.load(next_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    pdl_start(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
     if SPLITS > 1:  # float32 K-split partial sums of the GEMM before: their sum, rounded as the GEMM rounds
         for split in tl.static_range(1, SPLITS):
             x += tl.load(x_ptr + split * stride_x_split + row * stride_x + cols, mask=mask, other=0.0)
@@ -165,17 +180,16 @@ def _add_rms_norm_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     normed = x * rstd
     if HAS_WEIGHT:
-        normed = normed * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        normed = normed * weight
     # round where torch does: the norm's output, the sum, the product with the scale
     normed = round_to(normed, dtype)
-    residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
     out = round_to(residual + normed, dtype)
     if HAS_SCALE:
-        out = round_to(out * tl.load(scale_ptr).to(tl.float32), dtype)
+        out = round_to(out * scale, dtype)
     tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)
     if NEXT_NORM:  # the next RMSNorm of the new residual stream, from the rounded sum still in registers
         next_rstd = 1.0 / tl.sqrt(tl.sum(out * out, axis=0) / n_cols + next_eps)
-        next_normed = out * next_rstd * tl.load(next_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        next_normed = out * next_rstd * next_weight
         tl.store(next_out_ptr + row * stride_next_out + cols, round_to(next_normed, dtype).to(dtype), mask=mask)
 
 

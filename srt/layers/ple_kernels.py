@@ -60,6 +60,13 @@ def _gated(gate, ple, DTYPE: tl.constexpr):
     return gelu_tanh_mul_rounded(round_to(gate, DTYPE), ple.to(tl.float32), DTYPE)
 
 
+@jit
+def _weight_block(weight_rows, k, p_mask, hidden_size):
+    """The gate weight's [P-block, k] block (zeros past hidden_size): constant, so it may be read before the
+    chained wait, and the next block while the current one multiplies."""
+    return tl.load(weight_rows + k[None, :], mask=p_mask[:, None] & (k < hidden_size)[None, :], other=0.0)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # one row: multiply-and-sum GEMVs
 
@@ -69,19 +76,23 @@ def _vector_gate_kernel(
     hidden_ptr, weight_ptr, partials_ptr, hidden_size, ple_dim, stride_weight,
     K_PER_SPLIT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    # chained behind the residual add; the project kernel may start now and fetch its weights meanwhile
-    pdl_start(USE_PDL)
     split = tl.program_id(1)
     p_ids = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     p_mask = p_ids < ple_dim
+    weight_rows = weight_ptr + p_ids.to(tl.int64)[:, None] * stride_weight
+    w = _weight_block(weight_rows, split * K_PER_SPLIT + tl.arange(0, BLOCK_K), p_mask, hidden_size)
+    # chained behind the residual add, with the first weight block on its way; the project kernel may start
+    # now and fetch its weights meanwhile
+    pdl_start(USE_PDL)
     acc = tl.zeros((BLOCK_P, BLOCK_K), dtype=tl.float32)
-    for k_offset in range(0, K_PER_SPLIT, BLOCK_K):
-        k = split * K_PER_SPLIT + k_offset + tl.arange(0, BLOCK_K)
-        k_mask = k < hidden_size
-        w_offsets = p_ids.to(tl.int64)[:, None] * stride_weight + k[None, :]
-        w = tl.load(weight_ptr + w_offsets, mask=p_mask[:, None] & k_mask[None, :], other=0.0)
-        h = tl.load(hidden_ptr + k, mask=k_mask, other=0.0)
+    for step in tl.static_range(K_PER_SPLIT // BLOCK_K):
+        k = split * K_PER_SPLIT + step * BLOCK_K + tl.arange(0, BLOCK_K)
+        h = tl.load(hidden_ptr + k, mask=k < hidden_size, other=0.0)
+        if step + 1 < K_PER_SPLIT // BLOCK_K:  # the next weight block in flight while this one multiplies
+            w_next = _weight_block(weight_rows, k + BLOCK_K, p_mask, hidden_size)
         acc += w.to(tl.float32) * h.to(tl.float32)[None, :]
+        if step + 1 < K_PER_SPLIT // BLOCK_K:
+            w = w_next
     tl.store(partials_ptr + split * ple_dim + p_ids, tl.sum(acc, axis=1), mask=p_mask)
 
 
@@ -116,7 +127,6 @@ def _tile_gate_kernel(
     K_PER_SPLIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    pdl_start(USE_PDL)
     split = tl.program_id(1)
     row_ids = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
     p_ids = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -124,15 +134,19 @@ def _tile_gate_kernel(
     p_mask = p_ids < ple_dim
     hidden_rows = hidden_ptr + row_ids.to(tl.int64)[:, None] * stride_hidden
     weight_rows = weight_ptr + p_ids.to(tl.int64)[:, None] * stride_weight
+    w = _weight_block(weight_rows, split * K_PER_SPLIT + tl.arange(0, BLOCK_K), p_mask, hidden_size)
+    pdl_start(USE_PDL)  # the first weight block is on its way; the hidden rows come from the kernel ahead
     acc = tl.zeros((BLOCK_T, BLOCK_P), dtype=tl.float32)
-    for k_offset in range(0, K_PER_SPLIT, BLOCK_K):
-        k = split * K_PER_SPLIT + k_offset + tl.arange(0, BLOCK_K)
-        k_mask = k < hidden_size
-        h = tl.load(hidden_rows + k[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(weight_rows + k[None, :], mask=p_mask[:, None] & k_mask[None, :], other=0.0)
+    for step in tl.static_range(K_PER_SPLIT // BLOCK_K):
+        k = split * K_PER_SPLIT + step * BLOCK_K + tl.arange(0, BLOCK_K)
+        h = tl.load(hidden_rows + k[None, :], mask=row_mask[:, None] & (k < hidden_size)[None, :], other=0.0)
+        if step + 1 < K_PER_SPLIT // BLOCK_K:  # the next weight block in flight while this one multiplies
+            w_next = _weight_block(weight_rows, k + BLOCK_K, p_mask, hidden_size)
         if UPCAST:
             h, w = h.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
+        if step + 1 < K_PER_SPLIT // BLOCK_K:
+            w = w_next
     out = partials_ptr + (split * rows + row_ids.to(tl.int64))[:, None] * ple_dim + p_ids[None, :]
     tl.store(out, acc, mask=row_mask[:, None] & p_mask[None, :])
 
