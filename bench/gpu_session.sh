@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in as few device calls as possible:
 #
-#     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab yoco layouts norm moe serving profile)
+#     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase yoco layouts norm moe serving profile)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
 # serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
@@ -45,6 +45,18 @@ stage_ab() {  # decode with and without environment switches: AB="A=1 B=2;C=3" i
         env $setting timeout 240 $BENCH --model-path gemma-4-${AB_MODEL:-E4B}-it --batch-size ${AB_BATCH:-1 32} \
             --input-len 512 --output-len 32 --json "$RESULTS/ab-$(echo "${setting:-plain}" | tr ' =,' '_.-').json" \
             2>&1 | grep -E "decode .* ms/step|Error|error" | grep -v floor
+    done
+}
+
+stage_abbase() {  # decode of this tree vs AB_BASE's srt/ (a commit), alternated AB_ROUNDS times in one call
+    rm -rf /tmp/ab-base && mkdir -p /tmp/ab-base && git archive "$AB_BASE" srt | tar -x -C /tmp/ab-base
+    for _ in $(seq ${AB_ROUNDS:-2}); do
+        for tree in . /tmp/ab-base; do
+            echo "--- $([ $tree = . ] && echo this tree || echo "$AB_BASE")"
+            PYTHONPATH=$tree:$PYTHONPATH timeout 240 $BENCH --model-path gemma-4-${AB_MODEL:-E4B}-it \
+                --batch-size ${AB_BATCH:-1 32} --input-len 512 --output-len 32 2>&1 \
+                | grep -E "decode .* ms/step|Error|error" | grep -v floor
+        done
     done
 }
 
