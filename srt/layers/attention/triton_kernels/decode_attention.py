@@ -72,20 +72,6 @@ def _split_len(kv_start, kv_end, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _attend_block(q, k, v, kv_ok, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """Online softmax over one block: q [H, D] against k [D, N] and v [N, D] where `kv_ok` [N]."""
-    qk = tl.dot(q, k, input_precision=DOT_PRECISION) * LOG2E
-    qk = tl.where(kv_ok[None, :], qk, float("-inf"))
-    # every block holds at least one visible position, so the running max is finite from the first on
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
 def _decode_split_kernel(
     q_ptr,
     o_ptr,
@@ -144,32 +130,36 @@ def _decode_split_kernel(
     old = (first < hi) & (first != kv_end - 1)
     k = tl.load(k_head + slot[None, :] * stride_kt, mask=old[None, :], other=0.0)
     v = tl.load(v_head + slot[:, None] * stride_vt, mask=old[:, None], other=0.0)
-    slot = kv_slots(req_to_token_row, full_to_swa_ptr, first + BLOCK_N, first + BLOCK_N < hi, SLIDING)
-    last = kv_end - 1
-    last_slot = kv_slots(req_to_token_row, full_to_swa_ptr, tl.maximum(last, 0), None, SLIDING)
+    next_slot = kv_slots(req_to_token_row, full_to_swa_ptr, first + BLOCK_N, first + BLOCK_N < hi, SLIDING)
     pdl_start(USE_PDL)
+    new = (first < hi) & (first == kv_end - 1)
+    k = tl.where(new[None, :], tl.load(k_head + slot[None, :] * stride_kt, mask=new[None, :], other=0.0), k)
+    v = tl.where(new[:, None], tl.load(v_head + slot[:, None] * stride_vt, mask=new[:, None], other=0.0), v)
     q = tl.load(
         q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None], other=0.0
     ).to(k_ptr.dtype.element_ty)
-    is_last = first == last
-    if (last >= lo) & (last < lo + BLOCK_N):  # the row's last position is in this block: its K and V rows
-        k_last = tl.load(k_ptr + last_slot * stride_kt + kv_head * stride_kh + offs_d)
-        v_last = tl.load(v_ptr + last_slot * stride_vt + kv_head * stride_vh + offs_d)
-        k = tl.where(is_last[None, :], k_last[:, None], k)
-        v = tl.where(is_last[:, None], v_last[None, :], v)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    if lo < hi:  # splits past a short row's KV hold nothing: l_i stays 0
-        m_i, l_i, acc = _attend_block(q, k, v, first < hi, m_i, l_i, acc, DOT_PRECISION)
-    for start in range(lo + BLOCK_N, hi, BLOCK_N):
-        # K and V of this block, then the next block's slots: three loads in flight, none waiting on math
-        k = tl.load(k_head + slot[None, :] * stride_kt)
-        v = tl.load(v_head + slot[:, None] * stride_vt)
-        next_pos = start + BLOCK_N + offs_n
-        slot = kv_slots(req_to_token_row, full_to_swa_ptr, next_pos, next_pos < hi, SLIDING)
-        m_i, l_i, acc = _attend_block(q, k, v, start + offs_n < hi, m_i, l_i, acc, DOT_PRECISION)
+    for start in range(lo, hi, BLOCK_N):
+        kv_ok = start + offs_n < hi
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * LOG2E
+        qk = tl.where(kv_ok[None, :], qk, float("-inf"))
+        # every block holds at least one visible position, so the running max is finite from the first on
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.exp2(qk - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+        # the next block's K and V (its slots are in), then the slots of the one after: both in flight
+        # while this loop comes round
+        next_ok = start + BLOCK_N + offs_n < hi
+        k = tl.load(k_head + next_slot[None, :] * stride_kt, mask=next_ok[None, :], other=0.0)
+        v = tl.load(v_head + next_slot[:, None] * stride_vt, mask=next_ok[:, None], other=0.0)
+        after = start + 2 * BLOCK_N + offs_n
+        next_slot = kv_slots(req_to_token_row, full_to_swa_ptr, after, after < hi, SLIDING)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
