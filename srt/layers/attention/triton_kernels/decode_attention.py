@@ -15,13 +15,9 @@ the launch shapes are fixed for a batch size and nothing is read back: the kerne
 graphs. Blocks (`default_decode_config`): 64 tokens at head_dim 256, 32 at 512, so a K or V block is 32 KB
 of bf16 at most, next to an M x head_dim float32 accumulator (16 x 512 at most) over 4 warps.
 
-Chained launch: a program reads its row's position, length and KV slots, and its first block of K and V,
-before it waits for the kernel ahead (`pdl_start`). No kernel of the layers writes the metadata, and the KV
-of every position but the row's last was written before the kernel ahead started, so the first block streams
-from HBM while that kernel (the q/k norm + RoPE) runs. The query and the last position's K/V (this step's
-token, which the kernel ahead writes on KV-owning layers) come after the wait. In the loop, the next block's
-K/V loads as soon as a block is done, with its slots already loaded, and the slots of the block after it
-load meanwhile.
+Chained launch: a program reads its row's position, length and first KV slots before it waits for the kernel
+ahead (`pdl_start`); no kernel of the layers writes them. The query, and on KV-owning layers the new K/V,
+come after the wait.
 """
 
 from __future__ import annotations
@@ -120,21 +116,8 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     h_ok = offs_h < GROUP
     heads = kv_head * GROUP + offs_h
-    k_head = k_ptr + kv_head * stride_kh + offs_d[:, None]  # K blocks load as [HEAD_DIM, BLOCK_N]
-    v_head = v_ptr + kv_head * stride_vh + offs_d[None, :]
-    first = lo + offs_n
-    slot = kv_slots(req_to_token_row, full_to_swa_ptr, first, first < hi, SLIDING)
-    # The KV of every position but the row's last was written by earlier layers or steps, before the kernel
-    # ahead started: the first block of it streams now. The last one (this step's token, which the kernel
-    # ahead may be writing) is read after the wait.
-    old = (first < hi) & (first != kv_end - 1)
-    k = tl.load(k_head + slot[None, :] * stride_kt, mask=old[None, :], other=0.0)
-    v = tl.load(v_head + slot[:, None] * stride_vt, mask=old[:, None], other=0.0)
-    next_slot = kv_slots(req_to_token_row, full_to_swa_ptr, first + BLOCK_N, first + BLOCK_N < hi, SLIDING)
+    slot = kv_slots(req_to_token_row, full_to_swa_ptr, lo + offs_n, lo + offs_n < hi, SLIDING)
     pdl_start(USE_PDL)
-    new = (first < hi) & (first == kv_end - 1)
-    k = tl.where(new[None, :], tl.load(k_head + slot[None, :] * stride_kt, mask=new[None, :], other=0.0), k)
-    v = tl.where(new[:, None], tl.load(v_head + slot[:, None] * stride_vt, mask=new[:, None], other=0.0), v)
     q = tl.load(
         q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None], other=0.0
     ).to(k_ptr.dtype.element_ty)
@@ -144,6 +127,11 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         kv_ok = start + offs_n < hi
+        # K and V of this block, then the next block's slots: three loads in flight, none waiting on math
+        k = tl.load(k_ptr + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None])
+        v = tl.load(v_ptr + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :])
+        next_pos = start + BLOCK_N + offs_n
+        slot = kv_slots(req_to_token_row, full_to_swa_ptr, next_pos, next_pos < hi, SLIDING)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * LOG2E
         qk = tl.where(kv_ok[None, :], qk, float("-inf"))
         # every block holds at least one visible position, so the running max is finite from the first on
@@ -153,13 +141,6 @@ def _decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-        # the next block's K and V (its slots are in), then the slots of the one after: both in flight
-        # while this loop comes round
-        next_ok = start + BLOCK_N + offs_n < hi
-        k = tl.load(k_head + next_slot[None, :] * stride_kt, mask=next_ok[None, :], other=0.0)
-        v = tl.load(v_head + next_slot[:, None] * stride_vt, mask=next_ok[:, None], other=0.0)
-        after = start + 2 * BLOCK_N + offs_n
-        next_slot = kv_slots(req_to_token_row, full_to_swa_ptr, after, after < hi, SLIDING)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if NUM_SPLITS == 1:
