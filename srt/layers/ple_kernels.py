@@ -13,8 +13,9 @@ gelu, and a [ple_dim -> hidden] GEMV (E4B: 2560 -> 256 -> 2560). At decode (1..3
               cheap enough to redo in every CTA), then out[rows, N-block] = gated @ projection_weight[N-block]^T
 
 On Hopper both are chained (programmatic dependent launch, `triton_support.pdl_start`): the gate kernel
-behind the residual add before it, and the project kernel starts while the gate kernel runs, loads its
-weight tile, and waits (griddepcontrol.wait) only before it reads the partials.
+starts while the residual add before it runs and loads its first weight block before it waits for the hidden
+rows, and the project kernel starts while the gate kernel runs, loads its weight tile, and waits
+(griddepcontrol.wait) only before it reads the partials.
 
 Two shapes of the same kernels: one row is a plain multiply-and-sum GEMV (`_vector_*`); more rows go in
 blocks of 16 (padded) through tl.dot (`_tile_*`): the padding costs compute but no memory traffic.
