@@ -48,11 +48,14 @@ stage_ab() {  # decode with and without environment switches: AB="A=1 B=2;C=3" i
     done
 }
 
-stage_abbase() {  # decode of this tree vs AB_BASE's srt/ (a commit), alternated AB_ROUNDS times in one call
-    rm -rf /tmp/ab-base && mkdir -p /tmp/ab-base && git archive "$AB_BASE" srt | tar -x -C /tmp/ab-base
+stage_abbase() {  # decode of this tree vs the srt/ in $AB_BASE, alternated AB_ROUNDS times in one call
+    # make AB_BASE where the commits are (the GPU machine's copy may lack them):
+    #     mkdir base && git archive COMMIT srt | tar -x -C base
+    [ -d "${AB_BASE:-base}/srt" ] || { echo "abbase: no ${AB_BASE:-base}/srt"; return 1; }
     for _ in $(seq ${AB_ROUNDS:-2}); do
-        for tree in . /tmp/ab-base; do
-            echo "--- $([ $tree = . ] && echo this tree || echo "$AB_BASE")"
+        for tree in . "${AB_BASE:-base}"; do
+            label=$tree && [ "$tree" = . ] && label="this tree"
+            echo "--- $label"
             PYTHONPATH=$tree:$PYTHONPATH timeout 240 $BENCH --model-path gemma-4-${AB_MODEL:-E4B}-it \
                 --batch-size ${AB_BATCH:-1 32} --input-len 512 --output-len 32 2>&1 \
                 | grep -E "decode .* ms/step|Error|error" | grep -v floor
