@@ -8,7 +8,8 @@
 Kernels of a replayed CUDA graph are not listed one by one: profile decode with --disable-cuda-graph to see
 them (their GPU times are the same; the host launch times are what the graph removes). With graphs, decode
 also prints a step's timeline: the host's forward call, the device's forward and its graph replay, next to
-the whole step (argmax and the copy of the ids to the host included).
+the whole step (argmax and the copy of the ids to the host included); of the host's call, the time spent
+loading the static inputs and launching the graph (the rest is the timing's own events).
 
 A replay of the captured step on its own, after `generate_greedy`, would not time a step: the run has freed
 its request rows and slots by then, so the replayed attention reads one padding slot from L2 (H100, E4B,
@@ -72,10 +73,19 @@ def print_step_timeline(runner: ModelRunner, prompts: list[list[int]], decode_st
     itself (the whole step also holds the argmax and the copy of the ids to the host)."""
     marks: list[tuple[float, float, torch.cuda.Event, torch.cuda.Event]] = []
     replays: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    host_replay: list[float] = []
+    host_load: list[float] = []
     forward = runner.forward
     steps = runner.decode_graphs.steps
     graph = steps.graphs[steps.padded_size(len(prompts))]
     replay = graph.replay
+    inputs = runner.decode_graphs.inputs
+    load = inputs.load
+
+    def timed_load(*args, **kwargs) -> None:
+        start = time.perf_counter()
+        load(*args, **kwargs)
+        host_load.append(time.perf_counter() - start)
 
     def marked_forward(batch):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -89,22 +99,26 @@ def print_step_timeline(runner: ModelRunner, prompts: list[list[int]], decode_st
     def marked_replay() -> None:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
+        start = time.perf_counter()
         replay()
+        host_replay.append(time.perf_counter() - start)
         end.record()
         replays.append((begin, end))
 
-    runner.forward, graph.replay = marked_forward, marked_replay
+    runner.forward, graph.replay, inputs.load = marked_forward, marked_replay, timed_load
     try:
         step_seconds = generate_greedy(runner, prompts, 1 + decode_steps, keep_logits=False).step_seconds[1:]
     finally:
-        runner.forward, graph.replay = forward, replay
+        runner.forward, graph.replay, inputs.load = forward, replay, load
     torch.cuda.synchronize()
     host = statistics.mean(end - start for start, end, _, _ in marks[1:]) * 1e3
     device = statistics.mean(begin.elapsed_time(end) for _, _, begin, end in marks[1:])
     graph_ms = statistics.mean(begin.elapsed_time(end) for begin, end in replays)
     print(
         f"decode step timeline: step {statistics.mean(step_seconds) * 1e3:.3f} ms, of which the host's forward "
-        f"call {host:.3f} ms, the device's forward {device:.3f} ms, its graph replay {graph_ms:.3f} ms"
+        f"call {host:.3f} ms (loading the inputs {statistics.mean(host_load) * 1e3:.3f}, launching the graph "
+        f"{statistics.mean(host_replay) * 1e3:.3f}), the device's forward {device:.3f} ms, its graph replay "
+        f"{graph_ms:.3f} ms"
     )
 
 
