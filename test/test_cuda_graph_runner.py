@@ -15,7 +15,7 @@ from srt.layers.moe.experts import Experts
 from srt.managers.inprocess import run_to_completion
 from srt.managers.io_struct import TokenizedGenerateReq
 from srt.managers.scheduler import Scheduler
-from srt.model_executor.cuda_graph_runner import CapturedSteps, default_batch_sizes
+from srt.model_executor.captured_steps import CapturedSteps, default_batch_sizes
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.static_batch import generate_greedy
 from srt.sampling.sampling_params import SamplingParams

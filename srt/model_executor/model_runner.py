@@ -15,7 +15,8 @@ from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.kv_pool import HybridKVPool
 from srt.mem_cache.memory_plan import plan_memory
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
-from srt.model_executor.cuda_graph_runner import DecodeGraphs, SharedLayerGraphs, default_batch_sizes
+from srt.model_executor.captured_steps import default_batch_sizes
+from srt.model_executor.cuda_graph_runner import DecodeGraphs, SharedLayerGraphs
 from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_loader.loader import load_model
 from srt.server_args import ServerArgs
