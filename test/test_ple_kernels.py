@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from srt.layers import ple_kernels  # noqa: E402
 from srt.layers.gelu_kernels import gelu_tanh_mul, gelu_tanh_mul_reference  # noqa: E402
 from srt.layers.ple_kernels import (  # noqa: E402
     MAX_ROWS,
@@ -78,6 +79,15 @@ def assert_matches_reference(got: torch.Tensor, block: Block) -> None:
 )
 def test_matches_reference(rows: int, hidden_size: int, ple_dim: int, strided: bool, dtype: torch.dtype) -> None:
     block = Block(rows, hidden_size, ple_dim, dtype, strided, seed=rows)
+    assert_matches_reference(per_layer_input_projection(*block.args(), use_triton=True), block)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gate_with_several_weight_blocks_per_split(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small gate tiles, so each K-chunk spans several weight blocks (the first loaded before the chained
+    wait, each next one while the current multiplies) and the last chunk runs past hidden_size (masked)."""
+    monkeypatch.setattr(ple_kernels, "_choose_tiles", lambda rows: ple_kernels._Tiles(16, 16, 2, 16))
+    block = Block(rows, 80, 24, torch.float32, strided=True, seed=rows)  # 5 blocks of 16: chunks of 48 and 32
     assert_matches_reference(per_layer_input_projection(*block.args(), use_triton=True), block)
 
 
