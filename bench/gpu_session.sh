@@ -38,13 +38,16 @@ stage_decode() {  # decode at batch 1 and 32 (512-token context) and the 7000-to
     done
 }
 
+ab_decode() {  # one A/B run: decode of AB_MODEL at AB_BATCH, 512-token context; its ms/step lines (and errors)
+    timeout 240 $BENCH --model-path gemma-4-${AB_MODEL:-E4B}-it --batch-size ${AB_BATCH:-1 32} --input-len 512 \
+        --output-len 32 "$@" 2>&1 | grep -E "decode .* ms/step|Error|error" | grep -v floor
+}
+
 stage_ab() {  # decode with and without environment switches: AB="A=1 B=2;C=3" is two runs beside the plain one
     IFS=';' read -ra settings <<<"${AB:-}"
     for setting in "" "${settings[@]}"; do
         echo "--- ${setting:-(plain)}"
-        env $setting timeout 240 $BENCH --model-path gemma-4-${AB_MODEL:-E4B}-it --batch-size ${AB_BATCH:-1 32} \
-            --input-len 512 --output-len 32 --json "$RESULTS/ab-$(echo "${setting:-plain}" | tr ' =,' '_.-').json" \
-            2>&1 | grep -E "decode .* ms/step|Error|error" | grep -v floor
+        ([ -z "$setting" ] || export $setting; ab_decode --json "$RESULTS/ab-$(echo "${setting:-plain}" | tr ' =,' '_.-').json")
     done
 }
 
@@ -56,9 +59,7 @@ stage_abbase() {  # decode of this tree vs the srt/ in $AB_BASE, alternated AB_R
         for tree in . "${AB_BASE:-base}"; do
             label=$tree && [ "$tree" = . ] && label="this tree"
             echo "--- $label"
-            PYTHONPATH=$tree:$PYTHONPATH timeout 240 $BENCH --model-path gemma-4-${AB_MODEL:-E4B}-it \
-                --batch-size ${AB_BATCH:-1 32} --input-len 512 --output-len 32 2>&1 \
-                | grep -E "decode .* ms/step|Error|error" | grep -v floor
+            PYTHONPATH=$tree:$PYTHONPATH ab_decode
         done
     done
 }
