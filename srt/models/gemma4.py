@@ -30,7 +30,6 @@ import torch
 from torch import nn
 
 from srt.configs.model_config import ModelConfig
-from srt.layers import l2_prefetch
 from srt.layers.attention.base import AttentionBackend
 from srt.layers.layernorm import RMSNorm
 from srt.layers.logits_processor import LogitsOutput, compute_logits
@@ -128,7 +127,6 @@ class Gemma4TextModel(nn.Module):
             hidden, attn_input = self.layers[i](
                 hidden, attn_input, layer_input, cos_sin[spec.layer_type], batch, backend, next_norm
             )
-        l2_prefetch.join(hidden.device)
         return hidden
 
     def run_shared_layers(
@@ -185,10 +183,6 @@ class Gemma4ForCausalLM(nn.Module):
         # the LM head too (cuBLAS: 482 -> 449 us at 32 rows); a tied embedding's lookup then gathers strided
         # columns, which costs little next to it
         store_transposed(self.model.embed_tokens if self.tie_word_embeddings else self.lm_head)
-        layers = self.model.layers
-        for layer, following in zip(layers, layers[1:], strict=False):
-            projection = following.self_attn.qkv_proj or following.self_attn.q_proj
-            layer.next_attention_weight = (projection.weight, following.self_attn.o_proj.weight)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

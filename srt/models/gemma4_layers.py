@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from srt.configs.model_config import AttentionLayerSpec, ModelConfig
-from srt.layers import l2_prefetch
 from srt.layers.attention.base import AttentionBackend
 from srt.layers.fused_kernels import add_rms_norm, add_rms_norm_then_norm, rms_norm_rope
 from srt.layers.gelu_kernels import gelu_tanh_mul_packed
@@ -99,16 +98,12 @@ class Gemma4Attention(nn.Module):
         tokens, dim = hidden.shape[0], self.spec.head_dim
         cos, sin = cos_sin
         if not self.spec.owns_kv:
-            q = self.q_proj(hidden)
-            l2_prefetch.issue("o", self.o_proj.weight)
-            q = rms_norm_rope(q.view(tokens, -1, dim), self.q_norm.weight, cos, sin, self.q_norm.eps)
+            q = rms_norm_rope(self.q_proj(hidden).view(tokens, -1, dim), self.q_norm.weight, cos, sin, self.q_norm.eps)
         elif self.qkv_proj is None:
             raise RuntimeError("Gemma4Attention runs after fuse_projections() (load_model calls it)")
         else:  # norms, RoPE and the K/V cache write in one kernel on GPU; the attention then reads the cache only
-            qkv = self.qkv_proj(hidden)
-            l2_prefetch.issue("o", self.o_proj.weight)
             q = qkv_norm_rope_store(
-                qkv,
+                self.qkv_proj(hidden),
                 self.layout,
                 self.q_norm,
                 self.k_norm,
@@ -143,9 +138,7 @@ class Gemma4MLP(nn.Module):
             raise RuntimeError("Gemma4MLP runs after fuse_projections() (load_model calls it)")
         # cuBLAS on the transposed weight, then gelu * up: a Triton GEMV with it folded in (skinny_gemm.py until
         # the 14th session) was slower on this layout
-        gate_up = self.gate_up_proj(x)
-        l2_prefetch.issue("down", self.down_proj.weight)
-        return linear_partials(gelu_tanh_mul_packed(gate_up), self.down_proj.weight)
+        return linear_partials(gelu_tanh_mul_packed(self.gate_up_proj(x)), self.down_proj.weight)
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -164,8 +157,6 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
-        # the next layer's attention input and output projections, for `l2_prefetch` (a tuple: not registered)
-        self.next_attention_weight: tuple[torch.Tensor, ...] = ()
         self.has_moe = config.is_moe
         if self.has_moe:
             self.router = Router(hidden, hf.num_experts, hf.top_k_experts, eps)
@@ -194,15 +185,12 @@ class Gemma4DecoderLayer(nn.Module):
         attention and MLP outputs may come as K-split partial sums (`split_k.linear_partials`): the add + norm
         kernels after them take either form."""
         attn = self.self_attn(attn_input, cos_sin, batch, backend)
-        l2_prefetch.issue("gate_up", self.mlp.gate_up_proj.weight if self.mlp.gate_up_proj is not None else None)
         hidden, mlp_input = add_norm_then_norm(
             self.post_attention_layernorm, attn, hidden, self.pre_feedforward_layernorm
         )
 
         residual = hidden
         mlp_out = self.mlp(mlp_input)
-        l2_prefetch.issue("qkv", self.next_attention_weight[0] if self.next_attention_weight else None)
-        l2_prefetch.issue("o_next", self.next_attention_weight[1] if self.next_attention_weight else None)
         if self.has_moe:
             # the router and the experts see the residual stream, not the dense MLP's input norm
             routing = self.router(residual)
