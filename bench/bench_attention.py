@@ -12,7 +12,8 @@ other block shapes of the kernels. Results go to --json, or to $OUT/bench_attent
 `--chain` times decode only, as the step runs it: one CUDA graph of CHAIN_LAYERS back-to-back calls per layer
 type, each over its own layer's KV (more bytes than L2 holds), so chained kernels overlap their neighbours and
 nothing is flushed between calls; it prints microseconds per call and the KV bandwidth. With `--sweep` it also
-times the decode kernel's other split counts and block shapes (CHAIN_SWEEP) that way.
+times the decode kernel's other split counts and block shapes (CHAIN_SWEEP) that way, each with its largest
+difference from the backend's own output; `--cases TEXT` keeps the decode cases whose name holds TEXT.
 """
 
 from __future__ import annotations
@@ -251,6 +252,7 @@ def sweep_chain(chain: list[AttentionLayerSpec], q: torch.Tensor, batch: Forward
     req_to_token, full_to_swa = batch.req_to_token_pool.req_to_token, pool.allocator.full_to_swa
     out = torch.empty_like(q)
     rows = []
+    expected = None  # the last layer's output with the default config, to check every variant against
     for config, splits in CHAIN_SWEEP:
         partials = dk.decode_partials(q.shape[0], HEADS, q.shape[2], splits, q.device)
 
@@ -263,15 +265,29 @@ def sweep_chain(chain: list[AttentionLayerSpec], q: torch.Tensor, batch: Forward
                 )  # fmt: skip
 
         try:
+            if expected is None:
+                expected = backend_output(chain[-1], q, batch)
+            out.fill_(float("nan"))
+            calls()
+            diff = float((out.float() - expected.float()).abs().max())
             us = 1e6 * time_cuda(calls, warmup=3, repeats=30, use_graph=True) / len(chain)
         except Exception as exc:  # a block shape that does not fit the chip is a result too
             rows.append({"config": str(config), "splits": splits, "error": f"{type(exc).__name__}: {exc}"[:200]})
             continue
-        rows.append({"config": str(config), "splits": splits, "us_per_call": us})
+        rows.append({"config": str(config), "splits": splits, "us_per_call": us, "max_abs_diff": diff})
     rows.sort(key=lambda r: r.get("us_per_call", float("inf")))
-    for r in rows[:4]:
-        print(f"    {r['config']} splits={r['splits']}: {r.get('us_per_call', float('nan')):.2f} us/call", flush=True)
+    for r in rows[:6]:
+        print(
+            f"    {r['config']} splits={r['splits']}: {r.get('us_per_call', float('nan')):.2f} us/call, "
+            f"max abs diff vs the backend {r.get('max_abs_diff', float('nan')):.1e}",
+            flush=True,
+        )
     return rows
+
+
+def backend_output(spec: AttentionLayerSpec, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    backend = create_attention_backend("triton")
+    return backend.forward(q, None, None, spec, with_metadata(backend, batch), save_kv=False)
 
 
 def _time_variant(label: str, call, out: torch.Tensor, exact: torch.Tensor) -> dict:
@@ -290,6 +306,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="Also time other block shapes of the kernels.")
     parser.add_argument("--chain", action="store_true", help="Only decode, as chained calls over distinct layers.")
+    parser.add_argument("--cases", default="", help="With --chain: only the cases whose name holds this text.")
     parser.add_argument("--json", type=Path, help="Where to write the results (default $OUT/bench_attention.json).")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -298,7 +315,7 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
     if args.chain:
-        cases = [(name, requests) for name, mode, requests in CASES if mode.is_decode()]
+        cases = [(name, requests) for name, mode, requests in CASES if mode.is_decode() and args.cases in name]
         results = [r for name, requests in cases for r in run_chain(name, requests, args.sweep)]
         print_kernel_resources(dk._decode_split_kernel, dk._decode_combine_kernel)
         return write_results(args.json, props, results)

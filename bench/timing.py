@@ -119,6 +119,11 @@ def print_kernel_resources(*kernels: object) -> None:
     for kernel in kernels:
         for device, caches in getattr(kernel, "device_caches", {}).items():
             for compiled in caches[0].values():
+                if getattr(compiled, "n_regs", None) is None:  # loaded lazily: compiled but never launched
+                    try:
+                        compiled._init_handles()
+                    except Exception:  # e.g. a block shape needing more shared memory than the chip has
+                        continue
                 meta = compiled.metadata
                 print(
                     f"{kernel.__name__} (device {device}): {compiled.n_regs} registers, {compiled.n_spills} spills,"
