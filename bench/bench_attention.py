@@ -241,18 +241,21 @@ def run_chain(name: str, requests: list[tuple[int, int]], sweep: bool) -> list[d
                   "GBps": kv_bytes / us / 1e3}  # fmt: skip
         print(f"chain {name:20} {record['layer']:22} {us:8.2f} us/call {record['GBps']:8.0f} GB/s", flush=True)
         if sweep:
-            record["sweep"] = sweep_chain(chain, q, batch)
+            expected = backend.forward(q, None, None, chain[-1], batch, save_kv=False)
+            record["sweep"] = sweep_chain(chain, q, batch, expected)
         results.append(record)
     return results
 
 
-def sweep_chain(chain: list[AttentionLayerSpec], q: torch.Tensor, batch: ForwardBatch) -> list[dict]:
-    """Microseconds per call of the chain with each (config, splits) of CHAIN_SWEEP, fastest first."""
+def sweep_chain(
+    chain: list[AttentionLayerSpec], q: torch.Tensor, batch: ForwardBatch, expected: torch.Tensor
+) -> list[dict]:
+    """Microseconds per call of the chain with each (config, splits) of CHAIN_SWEEP, fastest first, and the
+    largest difference of its last call's output from `expected` (the backend's output for that layer)."""
     meta, pool = batch.attn_metadata, batch.kv_pool
     req_to_token, full_to_swa = batch.req_to_token_pool.req_to_token, pool.allocator.full_to_swa
     out = torch.empty_like(q)
     rows = []
-    expected = None  # the last layer's output with the default config, to check every variant against
     for config, splits in CHAIN_SWEEP:
         partials = dk.decode_partials(q.shape[0], HEADS, q.shape[2], splits, q.device)
 
@@ -265,8 +268,6 @@ def sweep_chain(chain: list[AttentionLayerSpec], q: torch.Tensor, batch: Forward
                 )  # fmt: skip
 
         try:
-            if expected is None:
-                expected = backend_output(chain[-1], q, batch)
             out.fill_(float("nan"))
             calls()
             diff = float((out.float() - expected.float()).abs().max())
@@ -283,11 +284,6 @@ def sweep_chain(chain: list[AttentionLayerSpec], q: torch.Tensor, batch: Forward
             flush=True,
         )
     return rows
-
-
-def backend_output(spec: AttentionLayerSpec, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-    backend = create_attention_backend("triton")
-    return backend.forward(q, None, None, spec, with_metadata(backend, batch), save_kv=False)
 
 
 def _time_variant(label: str, call, out: torch.Tensor, exact: torch.Tensor) -> dict:
