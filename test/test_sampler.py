@@ -53,6 +53,23 @@ def test_greedy_is_argmax_with_ties_to_lowest_id() -> None:
     assert out.next_token_ids[2] == 7
 
 
+def test_greedy_rows_take_the_callers_argmax_unless_penalised() -> None:
+    """`greedy_ids` (the logits kernel's argmax) stands in for the greedy rows' own argmax; ids that are not the
+    argmax show which one was used."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    given = torch.tensor([3, 4, 5, 6])
+    greedy = _batch([SamplingParams(temperature=0)] * 4, 50)
+    assert sample(logits, greedy, greedy_ids=given).next_token_ids.tolist() == [3, 4, 5, 6]
+    mixed = _batch([SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 2, 50)
+    assert sample(logits, mixed, greedy_ids=given).next_token_ids[::2].tolist() == [3, 5]
+    # penalties change the logits the argmax is over: the given ids no longer apply
+    params = [SamplingParams(temperature=0, frequency_penalty=0.5)] * 4
+    penalised = _batch(params, 50)
+    state = PenaltyState.build(penalised, [[0]] * 4, [[]] * 4)
+    ids = sample(logits, penalised, state, greedy_ids=given).next_token_ids
+    assert torch.equal(ids, torch.argmax(logits, dim=-1))
+
+
 def test_temperature_to_zero_and_top_k_one_match_greedy() -> None:
     logits = torch.randn(16, 100, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1e-3)] * 8 + [SamplingParams(temperature=1.5, top_k=1)] * 8

@@ -215,12 +215,15 @@ def sample(
     penalty_state: PenaltyState | None = None,
     top_logprobs_num: int = 0,
     return_logprob: bool = True,
+    greedy_ids: torch.Tensor | None = None,
 ) -> SampleOutput:
     """Pick one token per row of `logits` [B, V] float32 (left unmodified).
 
     `penalty_state` is required when `batch.needs_penalty_state`. `top_logprobs_num` is the batch's largest
     request; slice each row to its own request's count. Logprobs are of the raw logits, before penalties and
     temperature. Seeded rows advance their generator by one draw of V values per step; greedy rows draw nothing.
+    `greedy_ids` [B]: each row's argmax of `logits` where the caller has it (`LogitsOutput.greedy_ids`); greedy
+    rows without penalties take it instead of an argmax of their own.
     """
     if logits.shape != (batch.batch_size, batch.vocab_size):
         raise ValueError(f"logits shape {tuple(logits.shape)} != ({batch.batch_size}, {batch.vocab_size})")
@@ -228,13 +231,17 @@ def sample(
         raise ValueError("this batch uses penalties or min_new_tokens: pass its PenaltyState")
     raw_logprobs = torch.log_softmax(logits, dim=-1) if return_logprob or top_logprobs_num > 0 else None
 
-    penalised = apply_penalties(logits, batch, penalty_state) if batch.needs_penalty_state else logits
+    penalised = logits
+    if batch.needs_penalty_state:
+        penalised, greedy_ids = apply_penalties(logits, batch, penalty_state), None
+    if batch.any_greedy and greedy_ids is None:
+        greedy_ids = penalised.argmax(dim=-1)
     if batch.all_greedy:
-        next_ids = penalised.argmax(dim=-1)
+        next_ids = greedy_ids
     else:
         next_ids = _draw(_filtered_probs(penalised, batch), batch)
         if batch.any_greedy:
-            next_ids = torch.where(batch.is_greedy, penalised.argmax(dim=-1), next_ids)
+            next_ids = torch.where(batch.is_greedy, greedy_ids, next_ids)
 
     logprobs = None
     top = None

@@ -17,8 +17,10 @@ def sample_batch(
     eos_ids: Iterable[int],
     default_generator: torch.Generator | None,
     sampling: SamplingBatch | None = None,
+    greedy_ids: torch.Tensor | None = None,
 ) -> SamplingBatch:
     """Sample one token per request from its row of `logits` and append it (with logprobs if asked).
+    `greedy_ids`: each row's argmax, where the model's logits kernel found it (see `sample`).
 
     Returns the SamplingBatch used; pass it back as `sampling` while the requests stay the same (decode steps)
     to skip rebuilding it.
@@ -36,7 +38,7 @@ def sample_batch(
         penalties = PenaltyState.build(batch, [req.prompt_ids for req in reqs], [req.output_ids for req in reqs])
     want_logprobs = any(req.params.return_logprob for req in reqs)
     top_k = max(req.params.top_logprobs_num for req in reqs)
-    out = sample(logits, batch, penalties, return_logprob=want_logprobs, top_logprobs_num=top_k)
+    out = sample(logits, batch, penalties, top_k, want_logprobs, greedy_ids)
     next_ids = out.next_token_ids.tolist()
     for i, req in enumerate(reqs):
         req.output_ids.append(next_ids[i])

@@ -199,7 +199,8 @@ class Scheduler:
                 self.req_to_token_pool.write(item.req.req_pool_idx, item.req.kv_len, item_slots)
                 start += item.num_tokens
         forward_batch = batch.to_forward_batch(slots, self.req_to_token_pool, self.runner.kv_pool)
-        logits = self.runner.forward(forward_batch).logits
+        output = self.runner.forward(forward_batch)
+        logits = output.logits
 
         row = 0
         sampled_items, sample_rows = [], []
@@ -216,7 +217,11 @@ class Scheduler:
             if item.req.kv_len >= len(item.req.prompt_ids):
                 item.req.prompt_logprobs_done = True
         if sampled_items:
-            self._sample([item.req for item in sampled_items], logits[sample_rows])
+            greedy_ids = output.greedy_ids
+            if sample_rows != list(range(len(logits))):  # decode samples every row: no [rows, vocab] copy then
+                logits = logits[sample_rows]
+                greedy_ids = None if greedy_ids is None else greedy_ids[sample_rows]
+            self._sample([item.req for item in sampled_items], logits, greedy_ids)
 
         outputs, out_of_window = [], []
         for item in batch.items:
@@ -236,14 +241,14 @@ class Scheduler:
         self._free_windows(out_of_window)
         return outputs
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
+    def _sample(self, reqs: list[Req], logits: torch.Tensor, greedy_ids: torch.Tensor | None) -> None:
         """Sample the requests' next tokens; the SamplingBatch is reused while the same requests decode."""
         cached = None
         if self._sampling is not None and len(self._sampling[0]) == len(reqs):
             # by identity: the cache holds its requests, so a new request cannot take an old one's place
             same = all(a is b for a, b in zip(self._sampling[0], reqs, strict=True))
             cached = self._sampling[1] if same else None
-        sampling = sample_batch(reqs, logits, self.eos_ids, self.default_generator, cached)
+        sampling = sample_batch(reqs, logits, self.eos_ids, self.default_generator, cached, greedy_ids)
         self._sampling = (reqs, sampling)
 
     def _cache_prefill(self, req: Req) -> None:

@@ -117,7 +117,9 @@ class DecodeGraphs(_OneRowPerRequestSteps):
         """Logits of every row of a decode batch; KV of its tokens is written to the pools."""
         values = {name: getattr(batch, name) for name in self.inputs.names}
         out = self._run(values, batch.batch_size, batch.seq_lens_cpu)
-        return LogitsOutput(out.logits[: batch.batch_size], out.hidden_states[: batch.batch_size], 0)
+        rows = batch.batch_size
+        greedy_ids = None if out.greedy_ids is None else out.greedy_ids[:rows]
+        return LogitsOutput(out.logits[:rows], out.hidden_states[:rows], 0, greedy_ids)
 
     def _step(self, batch_size: int) -> LogitsOutput:
         view = self.inputs.view(batch_size)

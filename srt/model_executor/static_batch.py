@@ -64,10 +64,11 @@ def generate_greedy(
             if before_step is not None:
                 before_step(step)
             start = time.perf_counter()
-            logits = runner.forward(batch).logits
+            output = runner.forward(batch)
             if keep_logits:
-                step_logits.append(logits.cpu())
-            next_ids = logits.argmax(dim=-1).tolist()  # the copy synchronises the device
+                step_logits.append(output.logits.cpu())
+            greedy_ids = output.greedy_ids if output.greedy_ids is not None else output.logits.argmax(dim=-1)
+            next_ids = greedy_ids.tolist()  # the copy synchronises the device
             step_seconds.append(time.perf_counter() - start)
             seq_lens = batch.seq_lens_cpu
             for i, token in enumerate(next_ids):

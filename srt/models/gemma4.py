@@ -193,4 +193,5 @@ class Gemma4ForCausalLM(nn.Module):
         backend.init_forward_metadata(batch)
         hidden, skipped = self.model(batch, backend)
         softcap = self.config.hf_text_config.final_logit_softcapping
-        return LogitsOutput(compute_logits(hidden, self.lm_head_weight, softcap), hidden, skipped)
+        logits = compute_logits(hidden, self.lm_head_weight, softcap)
+        return LogitsOutput(logits.logits, hidden, skipped, logits.greedy_ids)

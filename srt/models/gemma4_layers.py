@@ -8,14 +8,11 @@ norm after them sums (`layers/split_k.py`).
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
 
 from srt.configs.model_config import AttentionLayerSpec, ModelConfig
 from srt.layers.attention.base import AttentionBackend
-from srt.layers.cublas_chain import chained_gemm
 from srt.layers.fused_kernels import add_rms_norm, add_rms_norm_then_norm, rms_norm_rope
 from srt.layers.gelu_kernels import gelu_tanh_mul_packed
 from srt.layers.layernorm import RMSNorm
@@ -101,13 +98,12 @@ class Gemma4Attention(nn.Module):
         tokens, dim = hidden.shape[0], self.spec.head_dim
         cos, sin = cos_sin
         if not self.spec.owns_kv:
-            q = chained_gemm("q", self.q_proj, hidden, self.q_proj.weight).view(tokens, -1, dim)
-            q = rms_norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps)
+            q = rms_norm_rope(self.q_proj(hidden).view(tokens, -1, dim), self.q_norm.weight, cos, sin, self.q_norm.eps)
         elif self.qkv_proj is None:
             raise RuntimeError("Gemma4Attention runs after fuse_projections() (load_model calls it)")
         else:  # norms, RoPE and the K/V cache write in one kernel on GPU; the attention then reads the cache only
             q = qkv_norm_rope_store(
-                chained_gemm("qkv", self.qkv_proj, hidden, self.qkv_proj.weight),
+                self.qkv_proj(hidden),
                 self.layout,
                 self.q_norm,
                 self.k_norm,
@@ -118,8 +114,7 @@ class Gemma4Attention(nn.Module):
                 batch.out_cache_loc,
             )
         out = backend.forward(q, None, None, self.spec, batch, save_kv=False)
-        weight = self.o_proj.weight
-        return chained_gemm("o", partial(linear_partials, weight=weight), out.reshape(tokens, -1), weight)
+        return linear_partials(out.reshape(tokens, -1), self.o_proj.weight)
 
 
 class Gemma4MLP(nn.Module):
@@ -143,9 +138,7 @@ class Gemma4MLP(nn.Module):
             raise RuntimeError("Gemma4MLP runs after fuse_projections() (load_model calls it)")
         # cuBLAS on the transposed weight, then gelu * up: a Triton GEMV with it folded in (skinny_gemm.py until
         # the 14th session) was slower on this layout
-        gate_up = chained_gemm("gate_up", self.gate_up_proj, x, self.gate_up_proj.weight)
-        down = self.down_proj.weight
-        return chained_gemm("down", partial(linear_partials, weight=down), gelu_tanh_mul_packed(gate_up), down)
+        return linear_partials(gelu_tanh_mul_packed(self.gate_up_proj(x)), self.down_proj.weight)
 
 
 class Gemma4DecoderLayer(nn.Module):
