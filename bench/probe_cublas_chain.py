@@ -32,8 +32,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from srt.layers.split_k import linear_partials
-
 # the CUDA driver API's graph-edge constants (cuda.h, CUDA 12.3+)
 KERNEL_NODE = 0  # CU_GRAPH_NODE_TYPE_KERNEL
 PORT_PROGRAMMATIC = 1  # CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
@@ -157,6 +155,12 @@ def gemm_waits(gemm: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, sp
     return "waits"
 
 
+def cublas_partials(x: torch.Tensor, weight: torch.Tensor, splits: int = 2) -> torch.Tensor:
+    """srt's cuBLAS form of o and down before the Triton decode GEMM: a batched GEMM over K-chunks, float32."""
+    chunks = x.view(x.shape[0], splits, -1).transpose(0, 1)
+    return torch.bmm(chunks, weight.t().reshape(splits, -1, weight.shape[0]), out_dtype=torch.float32)
+
+
 def transposed_weight(out_features: int, in_features: int) -> torch.Tensor:
     """An nn.Linear weight [out, in] stored as srt stores it: a view of a contiguous [in, out]."""
     return torch.randn(in_features, out_features, device="cuda", dtype=torch.bfloat16).t() * 0.02
@@ -175,7 +179,7 @@ def main() -> None:
     shapes |= {"gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}
     weights = {name: transposed_weight(*shape) for name, shape in shapes.items()}
     gemms = {name: partial(F.linear, weight=weights[name]) for name in ("qkv", "q", "gate_up")}
-    gemms |= {name: partial(linear_partials, weight=weights[name]) for name in ("o", "down")}
+    gemms |= {name: partial(cublas_partials, weight=weights[name]) for name in ("o", "down")}
     gemms["control: torch elementwise (must not wait)"] = lambda x: x * 2
     gemms["control: Triton kernel that waits (must wait)"] = waiting_double
     results = []

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from srt.layers.decode_gemm import decode_gemm_applies, decode_linear  # noqa: E402
 from srt.layers.fused_kernels import (  # noqa: E402
     add_rms_norm,
     add_rms_norm_reference,
@@ -30,7 +31,7 @@ from srt.layers.gelu_kernels import gelu_tanh_mul, gelu_tanh_mul_packed, gelu_ta
 from srt.layers.layernorm import RMSNorm  # noqa: E402
 from srt.layers.logits_processor import softcap_logits, softcap_logits_reference  # noqa: E402
 from srt.layers.rotary import apply_rotary  # noqa: E402
-from srt.layers.split_k import linear_partials  # noqa: E402
+from srt.layers.split_k import TRITON_SPLITS, linear_partials  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -241,11 +242,42 @@ def test_linear_partials_off_cuda_is_the_plain_product() -> None:
 def test_linear_partials_on_gpu_sum_to_the_product(rows: int) -> None:
     x = torch.randn(rows, 10240, device="cuda").bfloat16()
     weight = (torch.randn(10240, 2560, device="cuda") / 100).bfloat16().t()  # stored transposed, as the model's
-    partials = linear_partials(x, weight)
-    assert partials.shape == (2, rows, 2560) and partials.dtype == torch.float32
     expected = F.linear(x, weight).float()
-    error = (sum_partials(partials, torch.bfloat16).float() - expected).abs().max() / expected.abs().max()
-    assert error < 1e-2, error  # within a bf16 rounding step of the largest output
+    for splits in (None, 2):  # srt's choice (the chained Triton GEMM on Hopper), and cuBLAS's batched GEMM
+        partials = linear_partials(x, weight, splits)
+        chunks = TRITON_SPLITS if splits is None and decode_gemm_applies(x, weight, TRITON_SPLITS) else 2
+        assert partials.shape == (chunks, rows, 2560) and partials.dtype == torch.float32
+        error = (sum_partials(partials, torch.bfloat16).float() - expected).abs().max() / expected.abs().max()
+        assert error < 1e-2, error  # within a bf16 rounding step of the largest output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_decode_linear_matches_cublas(rows: int) -> None:
+    """The chained Triton GEMM against F.linear, at E4B's gate_up shape (one chunk, bf16 out) and its o shape
+    (four float32 partial sums), inside a CUDA graph behind a kernel that writes its input."""
+    if not decode_gemm_applies(
+        torch.empty(1, 2560, device="cuda").bfloat16(),
+        torch.empty(256, 2560, device="cuda").bfloat16().t().contiguous().t(),
+        1,
+    ):
+        pytest.skip("needs TMA (Hopper) and Triton's tensor descriptors")
+    for n, k, splits in ((20480, 2560, 1), (2560, 2048, 4)):
+        x = torch.randn(rows, k, device="cuda").bfloat16()
+        weight = (torch.randn(k, n, device="cuda") / 50).bfloat16().t()
+        assert decode_gemm_applies(x, weight, splits)
+        source = torch.zeros_like(x)
+        graph = torch.cuda.CUDAGraph()
+        decode_linear(source * 1, weight, splits)  # compiles
+        with torch.cuda.graph(graph):
+            out = decode_linear(source * 1, weight, splits)  # the multiply: a kernel ahead writes the input
+        source.copy_(x)
+        graph.replay()
+        expected = F.linear(x, weight).float()
+        got = out.float() if splits == 1 else out.sum(0)
+        assert out.dtype == (torch.bfloat16 if splits == 1 else torch.float32)
+        error = (got - expected).abs().max() / expected.abs().max()
+        assert error < 1e-2, error
 
 
 def test_add_rms_norm_float32_scale_keeps_the_dtype() -> None:

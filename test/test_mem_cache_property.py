@@ -240,8 +240,9 @@ class CacheMachine(RuleBasedStateMachine):
             assert all(self.live(int(s)) for s in row[max(0, req.kv_len - self.window + 1) : req.kv_len])
 
 
-_SETTINGS = settings(max_examples=120, stateful_step_count=50, deadline=None,
-                     suppress_health_check=[HealthCheck.too_slow])
+_SETTINGS = settings(
+    max_examples=120, stateful_step_count=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 class SWAMachine(CacheMachine):

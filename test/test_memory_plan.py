@@ -27,7 +27,11 @@ def plan_for(name: str, gpu_gib: float = 80, ratio: float | None = None) -> Memo
     config = ModelConfig.from_preset(name)
     weights = count_weight_bytes(config, torch.bfloat16)
     return plan_memory(
-        config, torch.bfloat16, weights, device_memory_bytes=int(gpu_gib * GIB), mem_fraction_static=0.85,
+        config,
+        torch.bfloat16,
+        weights,
+        device_memory_bytes=int(gpu_gib * GIB),
+        mem_fraction_static=0.85,
         swa_full_tokens_ratio=ratio,
     )
 
@@ -102,8 +106,7 @@ def test_concurrency_is_limited_by_the_scarcer_pool() -> None:
 
 def test_cli_report_for_e4b_at_8k_on_80gb_beats_the_naive_layout(capsys: pytest.CaptureFixture[str]) -> None:
     memory_plan_tool.main(
-        ["--model", "gemma-4-E4B-it", "--gpu-memory-gb", "80", "--context-len", "8192", "--mem-fraction-static",
-         "0.85"]
+        ["--model", "gemma-4-E4B-it", "--gpu-memory-gb", "80", "--context-len", "8192", "--mem-fraction-static", "0.85"]
     )
     report = json.loads(capsys.readouterr().out)
     assert report["ratio_rule"] == "default for dense checkpoints" and report["swa_full_tokens_ratio"] == 0.8
@@ -116,8 +119,18 @@ def test_cli_report_for_e4b_at_8k_on_80gb_beats_the_naive_layout(capsys: pytest.
 
 
 def test_cli_keeps_a_users_ratio_and_reports_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    memory_plan_tool.main(["--model", "gemma-4-26B-A4B-it", "--gpu-memory-gb", "80", "--swa-full-tokens-ratio",
-                           "0.3", "--context-len", "4096"])
+    memory_plan_tool.main(
+        [
+            "--model",
+            "gemma-4-26B-A4B-it",
+            "--gpu-memory-gb",
+            "80",
+            "--swa-full-tokens-ratio",
+            "0.3",
+            "--context-len",
+            "4096",
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert (report["swa_full_tokens_ratio"], report["ratio_rule"]) == (0.3, "user")
     with pytest.raises(SystemExit):

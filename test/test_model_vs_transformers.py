@@ -44,9 +44,7 @@ def load_reference(path, dtype: torch.dtype) -> ReferenceModel:
     ).eval()
 
 
-def compare_with_reference(
-    path, dtype: torch.dtype, dtype_name: str, device: str = "cpu"
-) -> tuple[float, ModelRunner]:
+def compare_with_reference(path, dtype: torch.dtype, dtype_name: str, device: str = "cpu") -> tuple[float, ModelRunner]:
     """Greedy tokens must be identical at every step; returns the worst relative logit error."""
     # on a GPU the pools would otherwise take most of its memory
     max_total_tokens = 4096 if device == "cuda" else None

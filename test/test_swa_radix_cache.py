@@ -36,8 +36,8 @@ def keys(cache: SWARadixCache, tokens: list[int]) -> list[tuple[tuple[int, ...],
 def cache_with_tombstoned_request() -> tuple[SWATokenAllocator, SWARadixCache]:
     """A finished request of T (10 tokens, slots 1..10) that freed SWA of positions 0..6 while running.
 
-        position   0   1   2   3   4   5   6 | 7   8   9
-        tree       [ tombstone: slots 1..7  ]|[ live: 8 9 10 ]
+    position   0   1   2   3   4   5   6 | 7   8   9
+    tree       [ tombstone: slots 1..7  ]|[ live: 8 9 10 ]
     """
     alloc = SWATokenAllocator(full_size=32, swa_size=32)
     cache = SWARadixCache(alloc, sliding_window=W)
@@ -85,7 +85,11 @@ def test_match_falls_back_to_the_last_valid_end_before_a_tombstone() -> None:
     # The tombstone [205 206] was revived with the request's SWA KV; its duplicate full slots 10..13 went back.
     # (The request's lock had split [200..204] to pin its window [202 203 204].)
     assert keys(cache, u + [209]) == [
-        (tuple(u[:2]), False), (tuple(u[2:5]), False), (tuple(u[5:7]), False), (tuple(u[7:]), False), ((209,), False)
+        (tuple(u[:2]), False),
+        (tuple(u[2:5]), False),
+        (tuple(u[5:7]), False),
+        (tuple(u[7:]), False),
+        ((209,), False),
     ]
     assert ids(alloc.full.free_slots()[-4:]) == [10, 11, 12, 13]
     assert ids(cache.match_prefix(u + [209, 0]).slots) == [1, 2, 3, 4, 5, 6, 7, 8, 9, 14]

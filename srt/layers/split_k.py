@@ -14,14 +14,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from srt.layers.decode_gemm import decode_gemm_applies, decode_linear
+
 SPLITS = 2
+TRITON_SPLITS = 4  # the chained Triton GEMM's K-chunks (decode_gemm.py; H100: 4 beat 2 and 8 for o and down)
 MAX_ROWS = 32  # decode batch sizes (measured at 1 and 32 rows); prefill runs the plain GEMM
 
 
-def linear_partials(x: torch.Tensor, weight: torch.Tensor, splits: int = SPLITS) -> torch.Tensor:
+def linear_partials(x: torch.Tensor, weight: torch.Tensor, splits: int | None = None) -> torch.Tensor:
     """x @ weight^T for x [T, K] and an nn.Linear weight [N, K] stored transposed (a view of a contiguous
     [K, N]): [splits, T, N] float32 partial sums over K-chunks on CUDA for T <= MAX_ROWS rows, else the plain
-    [T, N] product. Only for outputs that `add_rms_norm` (or `add_rms_norm_then_norm`) reads next. Graph safe."""
+    [T, N] product. Only for outputs that `add_rms_norm` (or `add_rms_norm_then_norm`) reads next. Graph safe.
+    `splits`: None takes the chained Triton GEMM's TRITON_SPLITS where it applies (`decode_gemm`), else cuBLAS's
+    batched GEMM over SPLITS chunks; a number always takes cuBLAS with that many (bench comparisons)."""
+    if splits is None:
+        if decode_gemm_applies(x, weight, TRITON_SPLITS):  # chained, where cuBLAS's kernels are not
+            return decode_linear(x, weight, TRITON_SPLITS)
+        splits = SPLITS
     rows, k = x.shape
     weight_t = weight.t()
     if not (x.is_cuda and 0 < rows <= MAX_ROWS and k % splits == 0 and weight_t.is_contiguous()):

@@ -123,9 +123,7 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
-    def cache_unfinished(
-        self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult
-    ) -> MatchResult:
+    def cache_unfinished(self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult) -> MatchResult:
         """Cache a running request's tokens so far and move its lock from `match.node` to the new end.
 
         Returns the request's new cached prefix (locked): the caller writes its slots over

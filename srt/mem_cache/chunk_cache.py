@@ -56,9 +56,7 @@ class ChunkCache(PrefixCache):
     def evict(self, num_tokens: int) -> int:
         return 0
 
-    def cache_unfinished(
-        self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult
-    ) -> MatchResult:
+    def cache_unfinished(self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult) -> MatchResult:
         """Nothing is cached: the request keeps owning all its slots and its (empty) prefix stays as it is."""
         return match
 

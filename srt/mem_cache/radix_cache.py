@@ -30,8 +30,17 @@ from srt.mem_cache.base_prefix_cache import (
 class TreeNode:
     """One edge of the tree: `key` tokens whose KV sits in full-pool `slots`."""
 
-    __slots__ = ("key", "slots", "parent", "children", "lock_ref", "swa_lock_ref", "tombstone",
-                 "last_access", "node_id")
+    __slots__ = (
+        "key",
+        "slots",
+        "parent",
+        "children",
+        "lock_ref",
+        "swa_lock_ref",
+        "tombstone",
+        "last_access",
+        "node_id",
+    )
     _ids = itertools.count()
 
     def __init__(self, key: tuple[int, ...], slots: torch.Tensor, parent: TreeNode | None) -> None:
@@ -204,9 +213,7 @@ class RadixCache(PrefixCache):
             stack.extend(node.children.values())
 
     # ---- chunked prefill -----------------------------------------------------------------------------
-    def cache_unfinished(
-        self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult
-    ) -> MatchResult:
+    def cache_unfinished(self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult) -> MatchResult:
         already_cached = self.insert(token_ids, slots)
         self._free_duplicates(slots, match.prefix_len, already_cached)
         new = self.lookup(token_ids)

@@ -13,6 +13,7 @@ from torch import nn
 
 from srt.configs.model_config import AttentionLayerSpec, ModelConfig
 from srt.layers.attention.base import AttentionBackend
+from srt.layers.decode_gemm import decode_gemm_applies, decode_linear
 from srt.layers.fused_kernels import add_rms_norm, add_rms_norm_then_norm, rms_norm_rope
 from srt.layers.gelu_kernels import gelu_tanh_mul_packed
 from srt.layers.layernorm import RMSNorm
@@ -138,7 +139,9 @@ class Gemma4MLP(nn.Module):
             raise RuntimeError("Gemma4MLP runs after fuse_projections() (load_model calls it)")
         # cuBLAS on the transposed weight, then gelu * up: a Triton GEMV with it folded in (skinny_gemm.py until
         # the 14th session) was slower on this layout
-        return linear_partials(gelu_tanh_mul_packed(self.gate_up_proj(x)), self.down_proj.weight)
+        weight = self.gate_up_proj.weight
+        gate_up = decode_linear(x, weight) if decode_gemm_applies(x, weight, 1) else self.gate_up_proj(x)
+        return linear_partials(gelu_tanh_mul_packed(gate_up), self.down_proj.weight)
 
 
 class Gemma4DecoderLayer(nn.Module):

@@ -1,0 +1,173 @@
+"""What srt needs to know about a Gemma 4 text model, read from a transformers config.
+
+Every per-layer value (head_dim, KV-head count, layer type, which layer owns the KV a layer reads) comes from
+the checkpoint's config as transformers resolves it; nothing is derived by guessing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, Gemma4TextConfig, PretrainedConfig
+
+from srt.configs import presets
+
+SUPPORTED_MODEL_TYPES = ("gemma4", "gemma4_text")
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """Shape and KV ownership of one attention layer."""
+
+    layer_id: int
+    layer_type: str
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    k_eq_v: bool
+    kv_owner: int  # the layer whose K/V buffers this layer reads; itself when it owns KV
+    sliding_window: int | None  # tokens a query sees, itself included (HF: kv > q - window)
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.layer_type == SLIDING
+
+    @property
+    def owns_kv(self) -> bool:
+        return self.kv_owner == self.layer_id
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Gemma 4 text model's structure plus the transformers config it came from."""
+
+    hf_text_config: Gemma4TextConfig
+    model_type: str
+    layers: tuple[AttentionLayerSpec, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_text_config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf_text_config.hidden_size
+
+    @property
+    def sliding_window(self) -> int:
+        return self.hf_text_config.sliding_window
+
+    @property
+    def context_len(self) -> int:
+        return self.hf_text_config.max_position_embeddings
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.hf_text_config.enable_moe_block and self.hf_text_config.num_experts)
+
+    @property
+    def first_kv_shared_layer(self) -> int | None:
+        """Index of the first layer that reads another layer's KV (None without KV sharing)."""
+        shared = [spec.layer_id for spec in self.layers if not spec.owns_kv]
+        return shared[0] if shared else None
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.hf_text_config.eos_token_id
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [eos]
+
+    @classmethod
+    def from_hf_config(cls, config: PretrainedConfig) -> ModelConfig:
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}: srt serves Gemma 4 checkpoints "
+                f"(model_type one of {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        text = config.text_config if model_type == "gemma4" else config
+        return cls(hf_text_config=text, model_type=model_type, layers=_layer_specs(text))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """Read `config.json` of a checkpoint directory."""
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
+        try:
+            model_type = json.loads(config_file.read_text()).get("model_type")
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{config_file} is not valid JSON ({error})") from error
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            # checked before transformers parses it: a foreign config may fail there with an unrelated error
+            raise ValueError(
+                f"{config_file}: unsupported model_type {model_type!r}: srt serves Gemma 4 checkpoints "
+                f"(model_type one of {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        try:
+            config = AutoConfig.from_pretrained(str(path))
+        except (KeyError, ValueError) as error:
+            raise ValueError(f"{config_file}: cannot read config ({error})") from error
+        return cls.from_hf_config(config)
+
+    @classmethod
+    def from_preset(cls, name: str) -> ModelConfig:
+        return cls.from_hf_config(presets.preset_text_config(name))
+
+    @classmethod
+    def from_name_or_path(cls, name_or_path: str | Path) -> ModelConfig:
+        if presets.is_preset(str(name_or_path)) and not Path(name_or_path).is_dir():
+            return cls.from_preset(str(name_or_path))
+        return cls.from_pretrained(name_or_path)
+
+
+def _layer_specs(config: Gemma4TextConfig) -> tuple[AttentionLayerSpec, ...]:
+    """Per-layer attention shapes and KV owners, as transformers' Gemma4TextAttention defines them.
+
+    The last `num_kv_shared_layers` layers compute no K/V; each reads the K/V of the last earlier layer of
+    the same type (full or sliding).
+    """
+    num_layers = config.num_hidden_layers
+    first_shared = num_layers - (config.num_kv_shared_layers or 0)
+    specs = []
+    for layer_id, layer_type in enumerate(config.layer_types[:num_layers]):
+        per_layer = config.per_layer_config[layer_id]
+        owner = layer_id
+        if layer_id >= first_shared > 0:
+            earlier = config.layer_types[:first_shared]
+            owner = len(earlier) - 1 - earlier[::-1].index(layer_type)
+        specs.append(
+            AttentionLayerSpec(
+                layer_id=layer_id,
+                layer_type=layer_type,
+                head_dim=per_layer.head_dim,
+                num_heads=config.num_attention_heads,
+                num_kv_heads=per_layer.num_key_value_heads,
+                k_eq_v=bool(config.attention_k_eq_v) and layer_type == FULL,
+                kv_owner=owner,
+                sliding_window=config.sliding_window if layer_type == SLIDING else None,
+            )
+        )
+    return tuple(specs)
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on GPU and float32 on CPU (CPU bf16 matmuls are slow and imprecise)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]

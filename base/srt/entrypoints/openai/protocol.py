@@ -1,0 +1,104 @@
+"""Pydantic models of the OpenAI-compatible API (requests are strict: a wrong type is a 400, not a guess).
+
+Only requests are modelled; responses are built as plain dicts in the serving modules, in the shapes of
+OpenAI's API reference. Fields beyond OpenAI's (top_k, min_p, repetition_penalty, ignore_eos, ...) are
+SGLang's extensions with SGLang's names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# OpenAI documents at most 5 for completions and 20 for chat; both accept up to 20 here.
+MAX_TOP_LOGPROBS = 20
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class SamplingExtensions(BaseModel):
+    """Sampling knobs both endpoints share, OpenAI's and SGLang's."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    model: str
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    user: str | None = None
+    # SGLang extensions
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
+
+    def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
+        """SamplingParams fields for this request (validated later, by SamplingParams itself)."""
+        return {
+            "max_new_tokens": max_tokens,
+            "min_new_tokens": self.min_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+            "ignore_eos": self.ignore_eos,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "skip_special_tokens": self.skip_special_tokens,
+            "n": self.n,
+        }
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingExtensions):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: str
+    content: str | list[TextPart | dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingExtensions):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": true}
+
+
+def error_body(message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}

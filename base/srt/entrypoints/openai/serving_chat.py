@@ -1,0 +1,147 @@
+"""`POST /v1/chat/completions`: messages -> the checkpoint's chat template -> the model's reply.
+
+The template's text already starts with `<bos>`, so it is tokenized without adding special tokens again.
+Without `max_tokens` (or `max_completion_tokens`) a reply may run to the end of the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import jinja2
+
+from srt.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from srt.entrypoints.openai.response_parts import (
+    SSE_DONE,
+    RequestError,
+    check_model,
+    finish_reason,
+    matched_stop,
+    new_id,
+    now,
+    openai_error,
+    sse,
+    usage,
+)
+from srt.managers.generate_input import GenerateReqInput
+from srt.managers.generate_output import TokenTexts
+from srt.managers.tokenizer_manager import TokenizerManager
+
+
+class ChatRun:
+    """One checked chat request, ready to run as a whole response or as an SSE stream."""
+
+    def __init__(self, tm: TokenizerManager, request: ChatCompletionRequest) -> None:
+        check_model(tm, request.model)
+        self.tm, self.request = tm, request
+        prompt = apply_chat_template(tm.tokenizer, request.messages, request.chat_template_kwargs or {})
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        self.obj = GenerateReqInput(
+            text=prompt,
+            sampling_params=request.sampling_params(max_tokens),
+            return_logprob=request.logprobs,
+            top_logprobs_num=(request.top_logprobs or 0) if request.logprobs else 0,
+            stream=request.stream,
+            add_special_tokens=False,
+        )
+        try:
+            self.prepared = tm.prepare(self.obj)
+        except ValueError as error:
+            problem = openai_error(error)
+            if problem.param == "prompt":  # the prompt a chat request has is its messages
+                problem.param = "messages"
+            raise problem from None
+        self.id, self.created = new_id("chatcmpl"), now()
+
+    async def response(self, is_disconnected: Callable[[], Awaitable[bool]] | None) -> dict:
+        results = await self.tm.generate_all(self.obj, is_disconnected, self.prepared)
+        choices = []
+        for index, result in enumerate(results):
+            meta = result["meta_info"]
+            choices.append(
+                {
+                    "index": index,
+                    "message": {"role": "assistant", "content": result["text"]},
+                    "logprobs": self._logprobs(meta),
+                    "finish_reason": finish_reason(meta),
+                    "matched_stop": matched_stop(meta),
+                }
+            )
+        metas = [r["meta_info"] for r in results]
+        return {**self._envelope("chat.completion"), "choices": choices, "usage": usage(metas, self.request.n)}
+
+    async def stream(self) -> AsyncIterator[str]:
+        metas: list[dict] = [{}] * len(self.prepared)
+        extra = {"usage": None} if self.request.include_usage else {}
+        envelope = {**self._envelope("chat.completion.chunk"), **extra}
+        for index in range(len(self.prepared)):  # OpenAI opens every choice with the role alone
+            opening = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None}
+            yield sse({**envelope, "choices": [{**opening, "finish_reason": None}]})
+        chunks = self.tm.generate(self.obj, prepared=self.prepared)
+        try:
+            async for index, chunk in chunks:
+                meta = metas[index] = chunk["meta_info"]
+                reason = finish_reason(meta)
+                if not chunk["text"] and reason is None and not (self.request.logprobs and chunk["output_ids"]):
+                    continue  # tokens held back (half a character, a possible stop string): nothing to show yet
+                choice = {
+                    "index": index,
+                    "delta": {"content": chunk["text"]} if chunk["text"] else {},
+                    "logprobs": self._logprobs(meta),
+                    "finish_reason": reason,
+                }
+                if reason is not None:
+                    choice["matched_stop"] = matched_stop(meta)
+                yield sse({**envelope, "choices": [choice]})
+            if self.request.include_usage:
+                yield sse({**envelope, "choices": [], "usage": usage(metas, self.request.n)})
+            yield SSE_DONE
+        finally:
+            await chunks.aclose()  # a client that went away aborts what is still running
+
+    def _envelope(self, kind: str) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.tm.model_name}
+
+    def _logprobs(self, meta: dict) -> dict | None:
+        if not self.request.logprobs:
+            return None
+        entries = meta["output_token_logprobs"]
+        tops = meta.get("output_top_logprobs") or [[] for _ in entries]
+        texts = self.tm.token_texts
+        content = []
+        for (logprob, token_id, _), top in zip(entries, tops):
+            item = _token_entry(texts, token_id, logprob)
+            item["top_logprobs"] = [_token_entry(texts, tid, value) for value, tid, _ in top or []]
+            content.append(item)
+        return {"content": content}
+
+
+def _token_entry(texts: TokenTexts, token_id: int, logprob: float) -> dict:
+    return {"token": texts.text(token_id), "logprob": logprob, "bytes": list(texts.bytes(token_id))}
+
+
+def apply_chat_template(tokenizer, messages: list[ChatMessage], kwargs: dict) -> str:
+    """The prompt text of `messages`; RequestError naming `messages` for what the template cannot take."""
+    if not messages:
+        raise RequestError("messages must not be empty", param="messages")
+    conversation = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                part = part if isinstance(part, dict) else part.model_dump()
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise RequestError(
+                        f"messages[{i}].content: only text parts are supported, got type {part.get('type')!r}",
+                        param="messages",
+                    )
+                parts.append({"type": "text", "text": part["text"]})
+            content = parts
+        conversation.append({"role": message.role, "content": content if content is not None else ""})
+    if tokenizer.chat_template is None:
+        raise RequestError("this model has no chat template; use /v1/completions", param="messages")
+    try:
+        return tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False, **kwargs)
+    except (jinja2.TemplateError, ValueError, TypeError) as error:
+        raise RequestError(f"messages cannot be formatted by the chat template: {error}", param="messages") from None

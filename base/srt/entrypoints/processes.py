@@ -1,0 +1,119 @@
+"""Start the scheduler and detokenizer processes, wait until both are ready, and stop them again.
+
+Children are started with `spawn` (a fresh interpreter: no inherited threads, CUDA state or locks). They
+are daemon processes that also exit on their own once their parent is gone, so no child outlives the
+server however it ends. As with any `spawn` program, a script that starts an Engine at import time must
+do so under `if __name__ == "__main__":`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+
+from srt.managers.io_struct import SchedulerInfo
+from srt.managers.ipc import PortArgs, ReadyReport
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 1800.0  # loading a 31B checkpoint from a slow disk takes a while
+SHUTDOWN_GRACE_S = 5.0
+CHILDREN = {
+    "scheduler": "srt.managers.scheduler_process:run_scheduler_process",
+    "detokenizer": "srt.managers.detokenizer_manager:run_detokenizer_process",
+}
+
+
+@dataclass
+class ServingProcesses:
+    """The running children of one server and the addresses that connect them."""
+
+    port_args: PortArgs
+    children: dict[str, BaseProcess]
+    info: SchedulerInfo | None = None
+    stopped: bool = False
+
+    def problem(self) -> str | None:
+        """A message naming a child that died, or None while all are alive."""
+        for name, proc in self.children.items():
+            if not proc.is_alive():
+                return f"the {name} process exited unexpectedly (exit code {proc.exitcode})"
+        return None
+
+    def shutdown(self) -> None:
+        """Stop every child (SIGTERM, then SIGKILL after a grace period) and remove the socket files."""
+        if self.stopped:
+            return
+        self.stopped = True
+        for proc in self.children.values():
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+        for proc in self.children.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self.port_args.cleanup()
+
+
+def launch_processes(server_args: ServerArgs, timeout: float = STARTUP_TIMEOUT_S) -> ServingProcesses:
+    """Start both children and return once they are ready; RuntimeError with the child's error if one fails."""
+    ctx = mp.get_context("spawn")
+    port_args = PortArgs.create()
+    group = ServingProcesses(port_args, {})
+    readers: dict[str, Connection] = {}
+    for name, entry in CHILDREN.items():
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=_run_child,
+            args=(entry, server_args, port_args, writer, os.getpid()),
+            name=f"srt-{name}",
+            daemon=True,
+        )
+        proc.start()
+        writer.close()  # the child holds the only writer: EOF on `reader` means it died
+        group.children[name] = proc
+        readers[name] = reader
+    try:
+        reports = _wait_ready(readers, timeout)
+    except BaseException:
+        group.shutdown()
+        raise
+    group.info = reports["scheduler"].info
+    return group
+
+
+def _run_child(entry: str, *args: object) -> None:
+    # Imported here, in the child: the main process never needs torch or the model code.
+    module, function = entry.split(":")
+    getattr(importlib.import_module(module), function)(*args)
+
+
+def _wait_ready(readers: dict[str, Connection], timeout: float) -> dict[str, ReadyReport]:
+    reports: dict[str, ReadyReport] = {}
+    deadline = time.monotonic() + timeout
+    by_conn = {conn: name for name, conn in readers.items()}
+    while len(reports) < len(readers):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            waiting = ", ".join(name for name in readers if name not in reports)
+            raise RuntimeError(f"the {waiting} process did not become ready within {timeout:.0f} s")
+        for conn in wait([c for c, name in by_conn.items() if name not in reports], remaining):
+            name = by_conn[conn]
+            try:
+                ready = conn.recv()
+            except EOFError:
+                raise RuntimeError(f"the {name} process exited before it was ready (see its log above)") from None
+            if not ready.ok:
+                raise RuntimeError(f"the {name} process failed to start:\n{ready.error}")
+            reports[name] = ready
+            logger.info("%s process ready", name)
+    return reports

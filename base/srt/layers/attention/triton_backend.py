@@ -1,0 +1,182 @@
+"""The `triton` attention backend (GPU default): Triton kernels over the req_to_token indirection.
+
+Same semantics as `torch_native`: each query row sees its request's KV positions up to its own position
+(and, on sliding layers, no further back than window - 1); sliding layers read the SWA pool through
+`full_to_swa`; KV-shared layers read their owner's buffers. Two kernels:
+
+- decode (`triton_kernels/decode_attention.py`): one row per request, split-KV with a combine pass. Used for
+  DECODE batches (row i = request i; nothing is read back to the host, so it can run under CUDA graphs) and
+  for extend batches whose requests have at most one row each (e.g. YOCO's last-row subsets).
+- extend (`triton_kernels/extend_attention.py`): tiles of rows per request, for everything else.
+
+Per-forward metadata is a handful of device tensors made once in `init_forward_metadata` (plus tile tables
+and scratch made at the first layer of each shape and reused by the rest).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cache
+
+import torch
+
+from srt.configs.model_config import AttentionLayerSpec
+from srt.layers.attention.base import AttentionBackend
+from srt.layers.attention.triton_kernels.decode_attention import (
+    decode_attention,
+    decode_partials,
+    default_decode_config,
+    num_kv_splits,
+)
+from srt.layers.attention.triton_kernels.extend_attention import (
+    build_extend_tiles,
+    default_extend_config,
+    extend_attention,
+)
+from srt.mem_cache.allocator import check_indices, debug_kv_indices
+from srt.model_executor.forward_batch import ForwardBatch
+
+# Without a GPU (the Triton CPU interpreter in tests) pretend to have this many multiprocessors, so that
+# decode still splits the KV of a few short requests.
+INTERPRETER_NUM_SMS = 16
+
+
+@cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_NUM_SMS
+
+
+@dataclass
+class TritonAttentionMetadata:
+    """Device tensors of one forward. Decode-kernel rows: `row_*` (one entry per query row)."""
+
+    use_decode_kernel: bool
+    positions: torch.Tensor  # [rows]
+    # decode kernel: the request of each row
+    row_pool_indices: torch.Tensor | None = None
+    row_seq_lens: torch.Tensor | None = None
+    # extend kernel: per request
+    req_pool_indices: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    extend_seq_lens: torch.Tensor | None = None
+    # made at the first layer that needs them, reused by the others
+    tiles: dict[int, torch.Tensor] = field(default_factory=dict)  # block_q -> tile table
+    partials: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Paged-KV attention with Triton kernels; the default on CUDA devices."""
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.mode.is_decode() and batch.positions.shape[0] == batch.seq_lens.shape[0]:
+            # one row per request, in request order: the batch's tensors are the per-row arrays already
+            batch.attn_metadata = TritonAttentionMetadata(
+                use_decode_kernel=True,
+                positions=batch.positions,
+                row_pool_indices=batch.req_pool_indices,
+                row_seq_lens=batch.seq_lens,
+            )
+            return
+        if batch.extend_seq_lens_cpu and max(batch.extend_seq_lens_cpu) <= 1:
+            # at most one row per request (host lists, no read-back): the split-KV kernel, one row each
+            rows_of = [i for i, n in enumerate(batch.extend_seq_lens_cpu) if n]
+            index = torch.tensor(rows_of, dtype=torch.int64, device=batch.seq_lens.device)
+            batch.attn_metadata = TritonAttentionMetadata(
+                use_decode_kernel=True,
+                positions=batch.positions,
+                row_pool_indices=batch.req_pool_indices[index],
+                row_seq_lens=batch.seq_lens[index],
+            )
+            return
+        batch.attn_metadata = TritonAttentionMetadata(
+            use_decode_kernel=False,
+            positions=batch.positions,
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=batch.seq_lens,
+            extend_seq_lens=batch.extend_seq_lens,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        layer: AttentionLayerSpec,
+        batch: ForwardBatch,
+        save_kv: bool = True,
+    ) -> torch.Tensor:
+        pool = batch.kv_pool
+        if save_kv:
+            pool.write(layer.layer_id, batch.out_cache_loc, k, v)
+        k_buffer, v_buffer = pool.kv_buffers(layer.layer_id)
+        req_to_token = batch.req_to_token_pool.req_to_token
+        full_to_swa = pool.allocator.full_to_swa
+        meta: TritonAttentionMetadata = batch.attn_metadata
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        num_rows, num_heads, head_dim = q.shape
+        if num_rows == 0:
+            return out
+        if head_dim & (head_dim - 1) or head_dim < 16:
+            raise ValueError(f"the triton backend needs a power-of-two head_dim >= 16; got {head_dim}")
+        if debug_kv_indices():
+            _check_kv_indices(batch, layer, meta)
+        on_gpu = q.device.type == "cuda"
+        window = layer.sliding_window
+
+        if meta.use_decode_kernel:
+            splits = num_kv_splits(num_rows, k_buffer.shape[1], _num_sms(q.device))
+            partials = None
+            if splits > 1:
+                key = (num_heads, head_dim, splits)
+                if key not in meta.partials:
+                    meta.partials[key] = decode_partials(num_rows, num_heads, head_dim, splits, q.device)
+                partials = meta.partials[key]
+            decode_attention(
+                q,
+                out,
+                k_buffer,
+                v_buffer,
+                req_to_token,
+                full_to_swa,
+                meta.row_pool_indices,
+                meta.row_seq_lens,
+                meta.positions,
+                window,
+                splits,
+                partials,
+                default_decode_config(head_dim, on_gpu),
+            )
+            return out
+
+        config = default_extend_config(head_dim, num_heads // k_buffer.shape[1], on_gpu, k_buffer.element_size())
+        if config.block_q not in meta.tiles:
+            meta.tiles[config.block_q] = build_extend_tiles(meta.extend_seq_lens, num_rows, config.block_q)
+        extend_attention(
+            q,
+            out,
+            k_buffer,
+            v_buffer,
+            req_to_token,
+            full_to_swa,
+            meta.tiles[config.block_q],
+            meta.req_pool_indices,
+            meta.seq_lens,
+            meta.positions,
+            window,
+            config,
+        )
+        return out
+
+
+def _check_kv_indices(batch: ForwardBatch, layer: AttentionLayerSpec, meta: TritonAttentionMetadata) -> None:
+    """`SRT_DEBUG_KV_INDICES=1`: every buffer row the kernels may read is inside the layer's buffer."""
+    pool = batch.kv_pool
+    pool_rows = meta.row_pool_indices if meta.use_decode_kernel else meta.req_pool_indices
+    longest = int(batch.seq_lens.max())
+    full_slots = batch.req_to_token_pool.req_to_token[pool_rows, :longest].reshape(-1).to(torch.int64)
+    check_indices(full_slots, pool.allocator.full_size, "full")
+    if layer.sliding_window is not None:
+        check_indices(pool.allocator.full_to_swa[full_slots], pool.allocator.swa_size, "swa")

@@ -1,0 +1,157 @@
+"""A generate request as users send it (SGLang's `/generate` shape), and its split into single requests.
+
+One request may carry a batch (`text` or `input_ids` as a list) and ask for `n` samples of each prompt;
+`expand()` turns it into one `SingleReq` per output, in output order (prompt-major), checking the shape
+of every field and naming the one that is wrong.
+"""
+
+from __future__ import annotations
+
+import numbers
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class GenerateReqInput:
+    """Everything `/generate` and `Engine.generate` accept.
+
+    Exactly one of `text` and `input_ids` is given. A list of strings (or of token-id lists) is a batch;
+    `sampling_params`, `return_logprob`, `logprob_start_len` and `top_logprobs_num` are then either one
+    value for all or a list with one value per prompt. `sampling_params["n"]` > 1 asks for n samples of
+    each prompt. `logprob_start_len` (with `return_logprob`) asks for prompt logprobs from that position;
+    None or -1: none.
+    """
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | None | list[int | None] = None
+    top_logprobs_num: int | list[int] = 0
+    stream: bool = False
+    return_text_in_logprobs: bool = False
+    rid: str | list[str] | None = None
+    # the chat endpoint's prompts come from the chat template, which already starts with <bos>
+    add_special_tokens: bool = True
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return not isinstance(self.text, str)
+        return isinstance(self.input_ids, list) and bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    def num_prompts(self) -> int:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("exactly one of text and input_ids must be given")
+        if self.text is not None:
+            if isinstance(self.text, str):
+                return 1
+            if not isinstance(self.text, list) or not self.text or not all(isinstance(t, str) for t in self.text):
+                raise ValueError("text must be a string or a non-empty list of strings")
+            return len(self.text)
+        if not isinstance(self.input_ids, list) or not self.input_ids:
+            raise ValueError("input_ids must be a non-empty list of token ids or a list of such lists")
+        if not self.is_batch:
+            _check_ids(self.input_ids)
+            return 1
+        for ids in self.input_ids:
+            _check_ids(ids)
+        return len(self.input_ids)
+
+    def expand(self) -> list[SingleReq]:
+        """One SingleReq per output; ValueError naming the first malformed field."""
+        if not isinstance(self.stream, bool):
+            raise ValueError(f"stream must be a bool, got {self.stream!r}")
+        num = self.num_prompts()
+        params = _per_prompt("sampling_params", self.sampling_params, num, self.is_batch)
+        return_logprob = _per_prompt("return_logprob", self.return_logprob, num, self.is_batch)
+        start = _per_prompt("logprob_start_len", self.logprob_start_len, num, self.is_batch)
+        top = _per_prompt("top_logprobs_num", self.top_logprobs_num, num, self.is_batch)
+        rids = _per_prompt("rid", self.rid, num, self.is_batch)
+        singles = []
+        for i in range(num):
+            if not isinstance(params[i] or {}, dict):
+                raise ValueError(f"sampling_params must be an object, got {params[i]!r}")
+            sampling = dict(params[i] or {})
+            n = sampling.pop("n", 1)
+            _check_int("n", n, low=1)
+            if not isinstance(return_logprob[i], bool):
+                raise ValueError(f"return_logprob must be a bool, got {return_logprob[i]!r}")
+            _check_int("top_logprobs_num", top[i], low=0)
+            if start[i] is not None:
+                _check_int("logprob_start_len", start[i], low=-1)
+            if rids[i] is not None and not isinstance(rids[i], str):
+                raise ValueError(f"rid must be a string (one per prompt for a batch), got {rids[i]!r}")
+            base_rid = rids[i] or uuid.uuid4().hex
+            for j in range(n):
+                sample = dict(sampling)
+                if j and sample.get("seed") is not None:
+                    sample["seed"] = sample["seed"] + j  # n samples of one seeded request differ, reproducibly
+                singles.append(
+                    SingleReq(
+                        index=len(singles),
+                        rid=base_rid if n == 1 else f"{base_rid}-{j}",
+                        text=_item(self.text, i) if self.is_batch else self.text,
+                        input_ids=_item(self.input_ids, i) if self.is_batch else self.input_ids,
+                        sampling_params=sample,
+                        return_logprob=return_logprob[i],
+                        logprob_start_len=None if start[i] in (None, -1) else start[i],
+                        top_logprobs_num=top[i],
+                    )
+                )
+        return singles
+
+    def returns_list(self) -> bool:
+        """Whether the answer is a list (a batch, or n > 1) rather than one result."""
+        params = self.sampling_params
+        n = params.get("n", 1) if isinstance(params, dict) else 1
+        return self.is_batch or n != 1
+
+    def answer(self, results: list[dict]) -> dict | list[dict]:
+        """The reply to this request from its results in output order: the list, or its one result."""
+        return results if self.returns_list() else results[0]
+
+    def stream_chunk(self, index: int, chunk: dict) -> dict:
+        """A streamed chunk as users get it: labelled with its output `index` when the reply is a list."""
+        return {**chunk, "index": index} if self.returns_list() else chunk
+
+
+@dataclass
+class SingleReq:
+    """One prompt, one output."""
+
+    index: int
+    rid: str
+    text: str | None
+    input_ids: list[int] | None
+    sampling_params: dict[str, Any] = field(default_factory=dict)
+    return_logprob: bool = False
+    logprob_start_len: int | None = None
+    top_logprobs_num: int = 0
+
+
+def _item(values: list | None, i: int) -> Any:
+    return None if values is None else values[i]
+
+
+def _per_prompt(name: str, value: Any, num: int, is_batch: bool) -> list[Any]:
+    if is_batch and isinstance(value, list):
+        if len(value) != num:
+            raise ValueError(f"{name} has {len(value)} entries for {num} prompts")
+        return value
+    return [value] * num
+
+
+def _check_ids(ids: object) -> None:
+    if not isinstance(ids, list) or not ids:
+        raise ValueError("input_ids must be a non-empty list of token ids")
+    for tok in ids:
+        if isinstance(tok, bool) or not isinstance(tok, numbers.Integral):
+            raise ValueError(f"input_ids must hold ints, got {tok!r}")
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")

@@ -1,0 +1,154 @@
+"""Messages between the request front-end and the scheduler (pickled dataclasses over ZMQ, or direct calls)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from srt.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReq:
+    """A generation request whose prompt is already token ids."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool = False
+    logprob_start_len: int | None = None  # prompt logprobs from this position on (None: none)
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    """Why a request stopped: "stop" (EOS, stop token or stop string), "length" or "abort"."""
+
+    kind: str
+    matched: int | str | None = None  # the token id or string that stopped it
+    message: str | None = None
+
+    def to_json(self) -> dict:
+        out: dict = {"type": self.kind}
+        if self.matched is not None:
+            out["matched"] = self.matched
+        if self.message is not None:
+            out["message"] = self.message
+        return out
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of one token, optionally with the top alternatives at that position."""
+
+    token_id: int
+    logprob: float | None  # None for the first prompt token (nothing predicts it)
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class ReqOutput:
+    """What one scheduler step produced for one request (new tokens since the last output)."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+
+# ---- between the serving processes (see srt/managers/scheduler_process.py) ---------------------------------
+
+
+@dataclass
+class DetokenizeInit:
+    """Scheduler -> detokenizer, before any output of the request: how to turn its tokens into text."""
+
+    rid: str
+    stop: list[str]
+    skip_special_tokens: bool
+
+
+@dataclass
+class BatchTokenIDOut:
+    """Scheduler -> detokenizer: the outputs of one scheduler step."""
+
+    outputs: list[ReqOutput]
+
+
+@dataclass
+class StrOutput:
+    """Detokenizer -> tokenizer manager: one request's step output with the text its new tokens add.
+
+    When a stop string ended the request, `output` is cut after the token that completed it and its
+    finish reason says which string matched; `text` never contains the stop string.
+    """
+
+    output: ReqOutput
+    text: str
+
+
+@dataclass
+class BatchStrOut:
+    outputs: list[StrOutput]
+
+
+@dataclass
+class GenerateError:
+    """Scheduler -> tokenizer manager (through the detokenizer): the request was refused."""
+
+    rid: str
+    message: str
+
+
+@dataclass
+class StatsReq:
+    """Ask the scheduler for a `SchedulerStats` snapshot (answered through the detokenizer)."""
+
+    req_id: int
+
+
+@dataclass
+class PoolStats:
+    """Token counts of one KV pool. free + cached + in_use == total; evictable <= cached."""
+
+    total: int
+    free: int
+    cached: int
+    evictable: int
+    in_use: int
+
+
+@dataclass
+class SchedulerStats:
+    req_id: int
+    num_running: int
+    num_waiting: int
+    pools: dict[str, PoolStats]
+    num_retractions: int
+    generated_tokens_total: int  # every token the scheduler sampled, including ones cut by a stop string
+
+
+@dataclass
+class SchedulerInfo:
+    """What the scheduler process reports once its model is loaded."""
+
+    context_len: int
+    vocab_size: int
+    max_total_tokens: int
+    max_swa_tokens: int
+    eos_token_ids: list[int]
+    device: str
+    dtype: str

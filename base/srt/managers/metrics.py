@@ -1,0 +1,86 @@
+"""Prometheus metrics of one server, in a registry of its own (two servers in one process do not clash).
+
+Latencies and token counts are observed by the tokenizer manager as outputs arrive; the scheduler's
+state (running / waiting requests, KV pools) is fetched when `/metrics` is scraped.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from srt.managers.io_struct import SchedulerStats
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter("srt_prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r)
+        self.generation_tokens = Counter(
+            "srt_generation_tokens", "Output tokens of finished requests.", labels, registry=r
+        )
+        self.cached_tokens = Counter(
+            "srt_cached_tokens", "Prompt tokens served from the prefix cache.", labels, registry=r
+        )
+        self.requests = Counter("srt_requests", "Finished requests by finish reason.", [*labels, "reason"], registry=r)
+        self.ttft = Histogram(
+            "srt_time_to_first_token_seconds", "Arrival to first output token.", labels, buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "srt_inter_token_latency_seconds", "Time between output tokens of a request.", labels,
+            buckets=_TOKEN_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "srt_e2e_request_latency_seconds", "Arrival to last output.", labels, buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.running = Gauge("srt_num_running_reqs", "Requests in the running batch.", labels, registry=r)
+        self.waiting = Gauge("srt_num_waiting_reqs", "Requests waiting for admission.", labels, registry=r)
+        self.kv_usage = Gauge(
+            "srt_kv_usage_ratio", "Share of a KV pool's tokens not free (in use or cached).", [*labels, "pool"],
+            registry=r,
+        )  # fmt: skip
+        self.kv_tokens = Gauge(
+            "srt_kv_tokens", "KV pool tokens by state (total, free, cached, in_use).", [*labels, "pool", "state"],
+            registry=r,
+        )  # fmt: skip
+        self.hit_rate = Gauge(
+            "srt_cache_hit_rate", "Cached prompt tokens / prompt tokens, over finished requests.", labels, registry=r
+        )
+        self.model_name = model_name
+        self._prompt_total = self._cached_total = 0
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.labels(self.model_name).observe(seconds)
+
+    def next_tokens(self, seconds: float, num_tokens: int) -> None:
+        """`num_tokens` arrived together `seconds` after the previous ones: one gap per token."""
+        for _ in range(num_tokens):
+            self.itl.labels(self.model_name).observe(seconds / num_tokens)
+
+    def finished(self, reason: str, prompt: int, completion: int, cached: int, e2e: float) -> None:
+        name = self.model_name
+        self.prompt_tokens.labels(name).inc(prompt)
+        self.generation_tokens.labels(name).inc(completion)
+        self.cached_tokens.labels(name).inc(cached)
+        self.requests.labels(name, reason).inc()
+        self.e2e.labels(name).observe(e2e)
+        self._prompt_total += prompt
+        self._cached_total += cached
+        self.hit_rate.labels(name).set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
+
+    def render(self, stats: SchedulerStats | None) -> bytes:
+        """The Prometheus text exposition, with the scheduler's state as of `stats`."""
+        name = self.model_name
+        if stats is not None:
+            self.running.labels(name).set(stats.num_running)
+            self.waiting.labels(name).set(stats.num_waiting)
+            for pool, p in stats.pools.items():
+                self.kv_usage.labels(name, pool).set((p.total - p.free) / p.total if p.total else 0.0)
+                for state in ("total", "free", "cached", "in_use"):
+                    self.kv_tokens.labels(name, pool, state).set(getattr(p, state))
+        return generate_latest(self.registry)

@@ -1,0 +1,128 @@
+"""A request's state in the scheduler, and the batch it is run in.
+
+A request only ever "catches up": its KV covers `kv_len` of its tokens (prompt + output so far) and each
+forward computes some of the rest. A fresh prompt, a prefix-cache hit, a prefill chunk, a decode step and
+the re-run of a retracted request are the same arithmetic:
+
+    all_ids:  [ prompt ............................ | output ......... ]
+    KV:       [ cached prefix | computed ..... kv_len)  to compute ...  )
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from srt.layers.sampler import make_generator
+from srt.managers.io_struct import FinishReason, TokenizedGenerateReq, TokenLogprob
+from srt.mem_cache.base_prefix_cache import MatchResult
+from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+
+@dataclass(eq=False)
+class Req:
+    """One generation request and everything the scheduler tracks about it."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: TokenizedGenerateReq
+    output_ids: list[int] = field(default_factory=list)
+    req_pool_idx: int | None = None  # row of req_to_token while the request holds KV
+    prefix: MatchResult | None = None  # the cached prefix it holds locked
+    kv_len: int = 0  # leading tokens of all_ids whose KV is in the pools
+    swa_freed_upto: int = 0  # SWA slots of tokens before this position are freed
+    cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    admitted_once: bool = False
+    prompt_logprobs_done: bool = False
+    finished_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
+    emitted_tokens: int = 0  # output tokens already reported
+    emitted_output_logprobs: int = 0
+    emitted_input_logprobs: int = 0
+
+    @classmethod
+    def from_request(cls, request: TokenizedGenerateReq, device: torch.device) -> Req:
+        seed = request.sampling_params.seed
+        # one generator for the request's whole life: recreating it would restart its random sequence
+        generator = make_generator(seed, device) if seed is not None else None
+        return cls(rid=request.rid, prompt_ids=list(request.input_ids), params=request, generator=generator)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """all_ids[start:stop] without building all_ids: a decode step reads one token of a long prompt."""
+        split = len(self.prompt_ids)
+        if start >= split:
+            return self.output_ids[start - split : stop - split]
+        return self.prompt_ids[start:stop] + self.output_ids[: max(0, stop - split)]
+
+    @property
+    def to_compute(self) -> int:
+        """Tokens whose KV is not in the pools yet (work = tokens - cached tokens)."""
+        return self.num_tokens - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return (
+            self.params.return_logprob and self.params.logprob_start_len is not None and not self.prompt_logprobs_done
+        )
+
+    def prompt_logprob_first_row(self) -> int:
+        """Position of the first row whose logits give a prompt logprob (token p is scored by row p - 1)."""
+        return max(self.params.logprob_start_len or 0, 1) - 1
+
+
+@dataclass
+class ScheduledReq:
+    """A request's share of a batch: which of its tokens run and which rows' logits it needs."""
+
+    req: Req
+    num_tokens: int  # tokens computed this forward, starting at req.kv_len
+    sample: bool  # this forward completes its tokens: sample the next one from its last row
+    prompt_logprob_rows: range = range(0)  # positions whose logits score the next prompt token
+
+
+@dataclass
+class ScheduleBatch:
+    """The requests of one forward and how each takes part."""
+
+    mode: ForwardMode
+    items: list[ScheduledReq]
+
+    def to_forward_batch(self, out_cache_loc: torch.Tensor, req_to_token_pool, kv_pool) -> ForwardBatch:
+        """Lay out the ForwardBatch; `logits_rows` lists, per request in order, prompt-logprob rows then its
+        sampling row."""
+        new_tokens, prefix_lens, rows, logits_rows = [], [], [], []
+        start = 0
+        for item in self.items:
+            req = item.req
+            new_tokens.append(req.tokens(req.kv_len, req.kv_len + item.num_tokens))
+            prefix_lens.append(req.kv_len)
+            rows.append(req.req_pool_idx)
+            logits_rows.extend(start + pos - req.kv_len for pos in item.prompt_logprob_rows)
+            if item.sample:
+                logits_rows.append(start + item.num_tokens - 1)
+            start += item.num_tokens
+        return ForwardBatch.build(
+            mode=self.mode,
+            new_token_ids=new_tokens,
+            prefix_lens=prefix_lens,
+            req_pool_indices=rows,
+            out_cache_loc=out_cache_loc,
+            logits_rows=logits_rows,
+            req_to_token_pool=req_to_token_pool,
+            kv_pool=kv_pool,
+        )

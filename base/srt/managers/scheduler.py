@@ -1,0 +1,304 @@
+"""The scheduler: turns a stream of requests into batches and keeps KV memory from running out mid-step.
+
+One step: admit from the waiting queue under the budgets (prefill first) or else decode every running
+request -> run the model -> sample -> update requests -> report -> cache. When memory runs short it evicts
+unlocked prefix-cache entries, then retracts decode requests back to the waiting queue.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from srt.layers.sampler import SamplingBatch, make_generator
+from srt.managers.io_struct import FinishReason, ReqOutput, TokenizedGenerateReq
+from srt.managers.request_output import collect_output, finish_check, record_prompt_logprobs, sample_batch
+from srt.managers.schedule_batch import Req, ScheduleBatch, ScheduledReq
+from srt.managers.schedule_policy import PrefillBudget, order_waiting
+from srt.mem_cache.base_prefix_cache import PrefixCache
+from srt.mem_cache.chunk_cache import ChunkCache
+from srt.mem_cache.swa_radix_cache import SWARadixCache
+from srt.mem_cache.swa_window import out_of_window_upto
+from srt.model_executor.forward_batch import ForwardMode
+from srt.model_executor.model_runner import ModelRunner
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Continuous batching over one ModelRunner. Drive it with `add_request`, `abort` and `step`."""
+
+    def __init__(self, server_args: ServerArgs, runner: ModelRunner | None = None) -> None:
+        self.args = server_args
+        self.runner = runner or ModelRunner(server_args)
+        self.allocator = self.runner.token_allocator
+        self.req_to_token_pool = self.runner.req_to_token_pool
+        self.sliding_window = self.runner.model_config.sliding_window
+        self.cache: PrefixCache = (
+            ChunkCache(self.allocator)
+            if server_args.disable_radix_cache
+            else SWARadixCache(self.allocator, self.sliding_window)
+        )
+        self.eos_ids = set(self.runner.eos_token_ids)
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.num_retractions = 0
+        # requests without a seed of their own draw from this one, seeded by --seed
+        self.default_generator = make_generator(server_args.seed, self.runner.device)
+        # the last SamplingBatch with the requests it was built for (decode steps reuse it)
+        self._sampling: tuple[list[Req], SamplingBatch] | None = None
+
+    # ---- requests in -----------------------------------------------------------------------------------
+    def add_request(self, request: TokenizedGenerateReq) -> None:
+        """Queue a request; raises ValueError naming the bad field of an unservable one."""
+        vocab = self.runner.model_config.vocab_size
+        request.sampling_params.validate(vocab)
+        if not request.input_ids:
+            raise ValueError("input_ids must not be empty")
+        if any(not 0 <= tok < vocab for tok in request.input_ids):
+            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
+        if len(request.input_ids) >= self.runner.context_len:
+            raise ValueError(
+                f"input_ids has {len(request.input_ids)} tokens; the context length is {self.runner.context_len}"
+            )
+        if len(request.input_ids) >= self.allocator.full_size:
+            raise ValueError(
+                f"input_ids has {len(request.input_ids)} tokens; the KV pool holds {self.allocator.full_size}"
+            )
+        start = request.logprob_start_len
+        if start is not None and not 0 <= start <= len(request.input_ids):
+            raise ValueError(f"logprob_start_len must be in [0, {len(request.input_ids)}], got {start}")
+        if any(req.rid == request.rid for req in self.waiting + self.running):
+            raise ValueError(f"a request with rid {request.rid!r} is already running")
+        self.waiting.append(Req.from_request(request, self.runner.device))
+
+    def abort(self, rid: str) -> ReqOutput | None:
+        """Stop a waiting or running request and free everything it holds; None if it is unknown."""
+        for queue in (self.waiting, self.running):
+            for req in queue:
+                if req.rid == rid:
+                    queue.remove(req)
+                    if req.req_pool_idx is not None:
+                        self._release(req)
+                    req.finished_reason = FinishReason("abort", message="aborted by the client")
+                    return collect_output(req)
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    def step(self) -> list[ReqOutput]:
+        """Run one forward (prefill if anything can be admitted, else decode); report what changed."""
+        batch = self._schedule_prefill() or self._schedule_decode()
+        if batch is None and self.has_work():
+            # a decode step may have retracted everything to make room; admission can run again at once
+            batch = self._schedule_prefill() or self._schedule_decode()
+            if batch is None:
+                return [self._fail_unschedulable()]
+        if batch is None:
+            return []
+        return self._run(batch)
+
+    def _fail_unschedulable(self) -> ReqOutput:
+        """Nothing can run even with the cache evicted: end the request that blocks the rest, with a reason."""
+        self.cache.evict(self.allocator.full_size)
+        stuck = next((req for req in self.running if req.to_compute > 1), None) or self.waiting[0]
+        (self.running if stuck in self.running else self.waiting).remove(stuck)
+        if stuck.req_pool_idx is not None:
+            self._release(stuck)
+        message = (
+            f"the request does not fit in KV memory (full pool {self.allocator.full_size} tokens, "
+            f"sliding-window pool {self.allocator.swa_size} tokens); raise --max-total-tokens or lower "
+            "--chunked-prefill-size"
+        )
+        stuck.finished_reason = FinishReason("abort", message=message)
+        logger.warning("request %s: %s", stuck.rid, message)
+        return collect_output(stuck)
+
+    def _schedule_prefill(self) -> ScheduleBatch | None:
+        budget = PrefillBudget(
+            tokens=self.args.max_prefill_tokens,
+            chunk=self.args.chunked_prefill_size or self.runner.context_len,
+            requests=self.args.max_running_requests - len(self.running),
+        )
+        items: list[ScheduledReq] = []
+        chunked = [req for req in self.running if req.to_compute > 1]  # at most one: a prefill in progress
+        for req in chunked:
+            num = budget.fit(req.to_compute)
+            if num == 0 or not self._make_room(num + len(self.running)):
+                return None
+            items.append(self._scheduled(req, num))
+            budget.tokens -= num
+        for req in order_waiting(self.waiting, self.args.schedule_policy, self.cache):
+            if self.req_to_token_pool.available() == 0 or not self._admit(req, budget, items, chunked):
+                break
+        if not items:
+            return None
+        return ScheduleBatch(ForwardMode.EXTEND, items)
+
+    def _admit(self, req: Req, budget: PrefillBudget, items: list[ScheduledReq], chunked: list[Req]) -> bool:
+        """Try to add a waiting request to the prefill batch; False when it (and so the rest) must wait."""
+        limit = req.num_tokens - 1  # at least one token must run: its logits are needed
+        if req.wants_prompt_logprobs:
+            limit = min(limit, req.prompt_logprob_first_row())
+        match = self.cache.match_prefix(req.tokens(0, limit))
+        pending = req.num_tokens - match.prefix_len
+        num = budget.fit(pending) if budget.requests > 0 else 0
+        if num == 0 or (num < pending and (chunked or any(item.num_tokens < item.req.to_compute for item in items))):
+            return False  # one chunked request at a time
+        self.cache.lock(match.node)  # before evicting, so room is not made out of this very prefix
+        # room for this chunk, the chunks already in the batch, and one decode token per running request
+        reserved = sum(item.num_tokens for item in items)
+        if not self._make_room(reserved + num + len(self.running) + 1):
+            self.cache.unlock(match.node)
+            return False
+        req.req_pool_idx = self.req_to_token_pool.alloc()
+        self.req_to_token_pool.write(req.req_pool_idx, 0, match.slots)
+        req.prefix, req.kv_len, req.swa_freed_upto = match, match.prefix_len, match.prefix_len
+        if not req.admitted_once:
+            req.cached_tokens, req.admitted_once = match.prefix_len, True
+        self.waiting.remove(req)
+        self.running.append(req)
+        items.append(self._scheduled(req, num))
+        budget.take(num)
+        return True
+
+    def _scheduled(self, req: Req, num: int) -> ScheduledReq:
+        completes = num == req.to_compute
+        rows = range(0)
+        if req.wants_prompt_logprobs:
+            first = max(req.prompt_logprob_first_row(), req.kv_len)
+            rows = range(first, max(first, min(len(req.prompt_ids) - 1, req.kv_len + num)))
+        sample = completes and len(req.output_ids) < req.params.sampling_params.max_new_tokens
+        return ScheduledReq(req, num, sample, rows)
+
+    def _schedule_decode(self) -> ScheduleBatch | None:
+        decoding = [req for req in self.running if req.to_compute == 1]
+        # fewest output tokens first (they lose the least work), latest admitted first among equals
+        while decoding and not self._make_room(len(decoding)):
+            victim = min(reversed(decoding), key=lambda req: len(req.output_ids))
+            decoding.remove(victim)
+            self._retract(victim)
+        if not decoding:
+            return None
+        return ScheduleBatch(ForwardMode.DECODE, [ScheduledReq(req, 1, True) for req in decoding])
+
+    # ---- run and update ----------------------------------------------------------------------------------
+    def _run(self, batch: ScheduleBatch) -> list[ReqOutput]:
+        slots = self.allocator.alloc(sum(item.num_tokens for item in batch.items))
+        if batch.mode == ForwardMode.DECODE:
+            rows, positions = zip(*((item.req.req_pool_idx, item.req.kv_len) for item in batch.items), strict=True)
+            self.req_to_token_pool.write_one_each(list(rows), list(positions), slots)
+        else:
+            start = 0
+            for item in batch.items:
+                item_slots = slots[start : start + item.num_tokens]
+                self.req_to_token_pool.write(item.req.req_pool_idx, item.req.kv_len, item_slots)
+                start += item.num_tokens
+        forward_batch = batch.to_forward_batch(slots, self.req_to_token_pool, self.runner.kv_pool)
+        logits = self.runner.forward(forward_batch).logits
+
+        row = 0
+        sampled_items, sample_rows = [], []
+        for item in batch.items:
+            num_logprob_rows = len(item.prompt_logprob_rows)
+            if item.req.wants_prompt_logprobs:
+                record_prompt_logprobs(item, logits[row : row + num_logprob_rows])
+                row += num_logprob_rows
+            if item.sample:
+                sampled_items.append(item)
+                sample_rows.append(row)
+                row += 1
+            item.req.kv_len += item.num_tokens
+            if item.req.kv_len >= len(item.req.prompt_ids):
+                item.req.prompt_logprobs_done = True
+        if sampled_items:
+            self._sample([item.req for item in sampled_items], logits[sample_rows])
+
+        outputs, out_of_window = [], []
+        for item in batch.items:
+            req = item.req
+            if not req.finished:
+                req.finished_reason = finish_check(req, self.eos_ids, self.runner.context_len)
+            if req.finished:
+                self.running.remove(req)
+                self._release(req)
+            elif batch.mode == ForwardMode.EXTEND:
+                # prompt KV (a chunk, or the whole prompt once done) goes to the cache, which then owns its
+                # sliding-window KV: requests sharing the prefix hit it until the cache evicts it
+                self._cache_prefill(req)
+            else:
+                out_of_window.append(req)
+            outputs.append(collect_output(req))
+        self._free_windows(out_of_window)
+        return outputs
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """Sample the requests' next tokens; the SamplingBatch is reused while the same requests decode."""
+        cached = None
+        if self._sampling is not None and len(self._sampling[0]) == len(reqs):
+            # by identity: the cache holds its requests, so a new request cannot take an old one's place
+            same = all(a is b for a, b in zip(self._sampling[0], reqs, strict=True))
+            cached = self._sampling[1] if same else None
+        sampling = sample_batch(reqs, logits, self.eos_ids, self.default_generator, cached)
+        self._sampling = (reqs, sampling)
+
+    def _cache_prefill(self, req: Req) -> None:
+        """After a prefill forward: the request's tokens so far go to the cache; it keeps them locked."""
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        req.prefix = self.cache.cache_unfinished(req.tokens(0, req.kv_len), row[: req.kv_len].long(), req.prefix)
+        self.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix.slots)
+        req.swa_freed_upto = max(req.swa_freed_upto, req.prefix.prefix_len)
+
+    def _free_windows(self, reqs: list[Req]) -> None:
+        """Free the sliding-window KV the requests' next queries can no longer see, in one call."""
+        table = self.req_to_token_pool.req_to_token
+        freed = []
+        for req in reqs:
+            new_upto = out_of_window_upto(req.swa_freed_upto, req.kv_len, self.sliding_window)
+            if new_upto > req.swa_freed_upto:
+                freed.append(table[req.req_pool_idx, req.swa_freed_upto : new_upto])
+                req.swa_freed_upto = new_upto
+        if freed:
+            self.allocator.free_swa(torch.cat(freed).to(torch.int64))
+
+    def _release(self, req: Req) -> None:
+        """Hand the request's KV to the cache and free its row; afterwards it holds nothing."""
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
+        self.cache.cache_finished(req.tokens(0, req.kv_len), row[: req.kv_len].long(), req.prefix)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.prefix, req.kv_len, req.swa_freed_upto = None, None, 0, 0
+
+    def _retract(self, req: Req) -> None:
+        """Send a decode request back to the queue; it re-runs prompt + output so far when re-admitted."""
+        self.running.remove(req)
+        self._release(req)
+        self.waiting.insert(0, req)
+        self.num_retractions += 1
+        logger.info("KV memory short: retracted request %s (%d output tokens)", req.rid, len(req.output_ids))
+
+    def _make_room(self, num_tokens: int) -> bool:
+        """Ensure `num_tokens` slots can be allocated, evicting unlocked cache entries if needed."""
+        full_short = num_tokens - self.allocator.full.available()
+        if full_short > 0:
+            self.cache.evict(full_short)
+        swa_short = num_tokens - self.allocator.swa.available()
+        if swa_short > 0:
+            self.cache.evict_swa(swa_short)  # tombstones cached prompts' sliding-window KV, LRU first
+        return self.allocator.available() >= num_tokens
+
+    # ---- checks --------------------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Every pool and cache is consistent: free + cached + the running requests' own slots == the pool."""
+        table = self.req_to_token_pool.req_to_token
+        own = [table[req.req_pool_idx, req.prefix.prefix_len : req.kv_len].long() for req in self.running]
+        # the cache checks its allocator too, and the exact partition leaves no slot in use when idle
+        self.cache.check_integrity(torch.cat(own) if own else torch.empty(0, dtype=torch.int64))
+        self.req_to_token_pool.check_integrity()
+        if self.req_to_token_pool.in_use() != len(self.running):
+            raise AssertionError(
+                f"{self.req_to_token_pool.in_use()} request rows in use, {len(self.running)} requests running"
+            )

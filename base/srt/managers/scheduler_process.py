@@ -1,0 +1,180 @@
+"""The scheduler process: owns the model and its KV memory and runs `Scheduler.step()` in a loop.
+
+Each iteration: take every waiting message without blocking (requests, aborts, stats requests), run one
+step if there is work, send its outputs to the detokenizer. When there is no work it blocks on its socket
+(waking every second to check that its parent is alive), and checks every pool's integrity once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import zmq
+
+from srt.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    DetokenizeInit,
+    GenerateError,
+    PoolStats,
+    SchedulerInfo,
+    SchedulerStats,
+    StatsReq,
+    TokenizedGenerateReq,
+)
+from srt.managers.ipc import PARENT_CHECK_INTERVAL_S, PortArgs, ReadyReport, parent_alive, report, setup_child, socket
+from srt.managers.scheduler import Scheduler
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def run_scheduler_process(
+    server_args: ServerArgs, port_args: PortArgs, ready_pipe: Connection, parent_pid: int
+) -> None:
+    """Process entry point: load the model, report readiness (or the error), then serve until orphaned."""
+    setup_child("scheduler", server_args.log_level)
+    try:
+        loop = SchedulerLoop(Scheduler(server_args), server_args, port_args)
+    except Exception:
+        report(ready_pipe, ReadyReport(ok=False, error=traceback.format_exc()))
+        return
+    report(ready_pipe, ReadyReport(ok=True, info=loop.info()))
+    loop.run(parent_pid)
+
+
+class SchedulerLoop:
+    """The message loop around one Scheduler."""
+
+    def __init__(self, scheduler: Scheduler, server_args: ServerArgs, port_args: PortArgs) -> None:
+        self.scheduler = scheduler
+        self.context = zmq.Context()
+        self.recv_socket = socket(self.context, zmq.PULL, port_args.scheduler_input, bind=True)
+        self.send_socket = socket(self.context, zmq.PUSH, port_args.detokenizer_input, bind=False)
+        self.generated_tokens_total = 0
+        self.status_log = StatusLog(server_args.log_interval)
+
+    def info(self) -> SchedulerInfo:
+        runner = self.scheduler.runner
+        return SchedulerInfo(
+            context_len=runner.context_len,
+            vocab_size=runner.model_config.vocab_size,
+            max_total_tokens=self.scheduler.allocator.full_size,
+            max_swa_tokens=self.scheduler.allocator.swa_size,
+            eos_token_ids=list(runner.eos_token_ids),
+            device=str(runner.device),
+            dtype=str(runner.dtype).removeprefix("torch."),
+        )
+
+    def run(self, parent_pid: int) -> None:
+        busy = False
+        last_parent_check = time.monotonic()
+        while True:
+            for message in self._recv_all(block=not self.scheduler.has_work()):
+                self._handle(message)
+            if self.scheduler.has_work():
+                busy = True
+                outputs = self.scheduler.step()
+                self.generated_tokens_total += sum(len(out.new_token_ids) for out in outputs)
+                if outputs:
+                    self.send_socket.send_pyobj(BatchTokenIDOut(outputs))
+            elif busy:
+                busy = False
+                self._check_integrity()
+            self.status_log.maybe_log(self.scheduler, self.generated_tokens_total, busy)
+            now = time.monotonic()
+            if now - last_parent_check >= PARENT_CHECK_INTERVAL_S:
+                last_parent_check = now
+                if not parent_alive(parent_pid):
+                    logger.info("parent process is gone; exiting")
+                    return
+
+    def _recv_all(self, block: bool) -> list[object]:
+        if block and not self.recv_socket.poll(int(PARENT_CHECK_INTERVAL_S * 1000)):
+            return []
+        messages = []
+        while True:
+            try:
+                messages.append(self.recv_socket.recv_pyobj(zmq.NOBLOCK))
+            except zmq.Again:
+                return messages
+
+    def _handle(self, message: object) -> None:
+        if isinstance(message, TokenizedGenerateReq):
+            try:
+                self.scheduler.add_request(message)
+            except ValueError as error:
+                self.send_socket.send_pyobj(GenerateError(message.rid, str(error)))
+                return
+            params = message.sampling_params
+            # sent before any output of the request: both travel through this one socket, in order
+            init = DetokenizeInit(message.rid, list(params.stop or []), params.skip_special_tokens)
+            self.send_socket.send_pyobj(init)
+        elif isinstance(message, AbortReq):
+            output = self.scheduler.abort(message.rid)
+            if output is not None:
+                self.send_socket.send_pyobj(BatchTokenIDOut([output]))
+        elif isinstance(message, StatsReq):
+            self.send_socket.send_pyobj(self.stats(message.req_id))
+        else:
+            logger.error("scheduler got an unknown message %r", type(message).__name__)
+
+    def stats(self, req_id: int) -> SchedulerStats:
+        return SchedulerStats(
+            req_id=req_id,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            pools=pool_stats(self.scheduler),
+            num_retractions=self.scheduler.num_retractions,
+            generated_tokens_total=self.generated_tokens_total,
+        )
+
+    def _check_integrity(self) -> None:
+        try:
+            self.scheduler.check_integrity()
+        except AssertionError:
+            logger.exception("KV pools are inconsistent after the last request finished")
+
+
+def pool_stats(scheduler: Scheduler) -> dict[str, PoolStats]:
+    """Token counts of the full pool and the sliding-window pool."""
+    full = scheduler.cache.stats()
+    pools = {"full": PoolStats(full.total, full.free, full.cached, full.evictable, full.in_use)}
+    swa = scheduler.cache.swa_stats()
+    pools["swa"] = PoolStats(swa.total, swa.free, swa.cached, swa.evictable, swa.in_use)
+    return pools
+
+
+class StatusLog:
+    """One log line every `interval` seconds while busy: load, KV usage and throughput."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.last_time = time.monotonic()
+        self.last_tokens = 0
+        self.active = False  # something happened since the last line
+
+    def maybe_log(self, scheduler: Scheduler, generated_tokens_total: int, busy: bool) -> None:
+        self.active = self.active or busy
+        now = time.monotonic()
+        if not self.interval or now - self.last_time < self.interval:
+            return
+        if self.active:
+            pools = pool_stats(scheduler)
+            usage = ", ".join(
+                f"{name} {100 * (p.total - p.free) / p.total:.1f}% ({p.in_use} in use, {p.cached} cached)"
+                for name, p in pools.items()
+            )
+            throughput = (generated_tokens_total - self.last_tokens) / (now - self.last_time)
+            logger.info(
+                "running %d, waiting %d, KV %s, generation %.1f tok/s, retractions %d",
+                len(scheduler.running),
+                len(scheduler.waiting),
+                usage,
+                throughput,
+                scheduler.num_retractions,
+            )
+        self.last_time, self.last_tokens, self.active = now, generated_tokens_total, busy

@@ -1,0 +1,125 @@
+"""Per-layer K/V buffers that know which layer owns the KV each layer reads.
+
+Gemma 4 layers differ in shape (sliding: head_dim 256, full: head_dim 512 and, on 26B/31B, fewer KV heads),
+so each owning layer gets its own buffer pair. KV-shared layers (the last `num_kv_shared_layers` of E2B/E4B)
+get none: asking for their buffers returns their owner's. Full-attention layers are indexed by full-pool
+slots; sliding layers by SWA-pool slots, reached through the allocator's `full_to_swa`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from srt.configs.model_config import AttentionLayerSpec
+from srt.mem_cache.allocator import SWATokenAllocator, check_indices, debug_kv_indices
+
+
+@dataclass(frozen=True)
+class KVCacheTarget:
+    """Where a layer's new K/V go, for kernels that write them themselves: the layer's buffers and, on
+    sliding layers, the full -> SWA slot table that maps a token's full slot to its buffer row."""
+
+    k_buffer: torch.Tensor  # [rows, kv_heads, head_dim]
+    v_buffer: torch.Tensor
+    full_to_swa: torch.Tensor | None  # None on full-attention layers: their rows are the full slots
+
+    def rows(self, full_slots: torch.Tensor) -> torch.Tensor:
+        """Buffer rows of the tokens with these full slots (checked under SRT_DEBUG_KV_INDICES=1)."""
+        if self.full_to_swa is None:
+            if debug_kv_indices():
+                check_indices(full_slots, self.k_buffer.shape[0] - 1, "full")
+            return full_slots
+        if debug_kv_indices():
+            check_indices(full_slots, len(self.full_to_swa) - 1, "full")
+        rows = self.full_to_swa[full_slots]
+        if debug_kv_indices():
+            check_indices(rows, self.k_buffer.shape[0] - 1, "swa")
+        return rows
+
+    def store(self, full_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V of the tokens with these full slots ([tokens, kv_heads, head_dim]) in the buffers' dtype."""
+        rows = self.rows(full_slots)
+        self.k_buffer[rows] = k.to(self.k_buffer.dtype)
+        self.v_buffer[rows] = v.to(self.v_buffer.dtype)
+
+
+class HybridKVPool:
+    """K/V buffers for every KV-owning layer; full layers in the full pool, sliding layers in the SWA pool."""
+
+    def __init__(
+        self,
+        layers: Sequence[AttentionLayerSpec],
+        allocator: SWATokenAllocator,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.layers = tuple(layers)
+        self.allocator = allocator
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._k: dict[int, torch.Tensor] = {}
+        self._v: dict[int, torch.Tensor] = {}
+        for spec in self.layers:
+            if spec.owns_kv:
+                self._k[spec.layer_id] = torch.zeros(self._buffer_shape(spec), dtype=dtype, device=self.device)
+                self._v[spec.layer_id] = torch.zeros(self._buffer_shape(spec), dtype=dtype, device=self.device)
+
+    def _buffer_shape(self, spec: AttentionLayerSpec) -> tuple[int, int, int]:
+        """[slots of the layer's pool + padding slot 0, kv_heads, head_dim]."""
+        rows = (self.allocator.swa_size if spec.is_sliding else self.allocator.full_size) + 1
+        return (rows, spec.num_kv_heads, spec.head_dim)
+
+    def kv_buffers(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (K, V) buffers layer `layer_id` reads: its own, or its owner's for a KV-shared layer."""
+        owner = self.layers[layer_id].kv_owner
+        return self._k[owner], self._v[owner]
+
+    def cache_target(self, layer_id: int) -> KVCacheTarget:
+        """The buffers and slot table a KV-owning layer's fused kernel writes new K/V through."""
+        if not self.layers[layer_id].owns_kv:
+            raise ValueError(f"layer {layer_id} shares KV of layer {self.layers[layer_id].kv_owner}")
+        sliding = self.layers[layer_id].is_sliding
+        return KVCacheTarget(self._k[layer_id], self._v[layer_id], self.allocator.full_to_swa if sliding else None)
+
+    def layer_slots(self, layer_id: int, full_slots: torch.Tensor) -> torch.Tensor:
+        """Rows of the layer's buffers (its owner's, for a KV-shared layer) holding these full-pool slots."""
+        return self.cache_target(self.layers[layer_id].kv_owner).rows(full_slots)
+
+    def write(self, layer_id: int, full_slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V of new tokens ([tokens, kv_heads, head_dim]) for a KV-owning layer."""
+        self.cache_target(layer_id).store(full_slots, k, v)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless exactly the KV-owning layers have buffers, sized to their pool, and
+        every KV-shared layer reads an earlier owning layer of its own type and shape."""
+        owners = {spec.layer_id for spec in self.layers if spec.owns_kv}
+        if set(self._k) != owners or set(self._v) != owners:
+            raise AssertionError(f"buffers for layers {sorted(self._k)}, but layers {sorted(owners)} own KV")
+        for spec in self.layers:
+            owner = self.layers[spec.kv_owner]
+            if not owner.owns_kv or owner.layer_id > spec.layer_id or owner.layer_type != spec.layer_type:
+                raise AssertionError(f"layer {spec.layer_id} reads KV of layer {owner.layer_id}, not a valid owner")
+            shape = self._buffer_shape(spec)
+            for name, buffer in (("K", self._k[owner.layer_id]), ("V", self._v[owner.layer_id])):
+                if tuple(buffer.shape) != shape or buffer.dtype != self.dtype:
+                    raise AssertionError(
+                        f"layer {spec.layer_id} {name} buffer is {tuple(buffer.shape)} {buffer.dtype}, "
+                        f"expected {shape} {self.dtype}"
+                    )
+        self.allocator.check_integrity()
+
+
+def layer_kv_bytes(spec: AttentionLayerSpec, dtype: torch.dtype) -> int:
+    """Bytes of one token's K and V in one layer."""
+    return 2 * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+
+
+def kv_bytes_per_token(layers: Sequence[AttentionLayerSpec], dtype: torch.dtype) -> tuple[int, int]:
+    """(full, swa) bytes per token of K and V over the layers that own KV."""
+    owners = [spec for spec in layers if spec.owns_kv]
+    full = sum(layer_kv_bytes(spec, dtype) for spec in owners if not spec.is_sliding)
+    swa = sum(layer_kv_bytes(spec, dtype) for spec in owners if spec.is_sliding)
+    return full, swa

@@ -1,0 +1,148 @@
+"""Owns the model weights, the KV pools and the attention backend; runs one ForwardBatch at a time."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+from srt.configs.model_config import ModelConfig, resolve_dtype
+from srt.layers.attention import create_attention_backend
+from srt.layers.logits_processor import LogitsOutput
+from srt.mem_cache.allocator import SWATokenAllocator
+from srt.mem_cache.kv_pool import HybridKVPool
+from srt.mem_cache.memory_plan import plan_memory
+from srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from srt.model_executor.captured_steps import default_batch_sizes
+from srt.model_executor.cuda_graph_runner import DecodeGraphs, SharedLayerGraphs
+from srt.model_executor.forward_batch import ForwardBatch
+from srt.model_loader.loader import load_model
+from srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Without a GPU to size from, CPU runs get this many full-pool tokens unless --max-total-tokens says otherwise.
+CPU_DEFAULT_TOTAL_TOKENS = 16384
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_load_format(server_args: ServerArgs) -> str:
+    if server_args.load_format != "auto":
+        return server_args.load_format
+    return "safetensors"
+
+
+class ModelRunner:
+    """The model on its device with its KV memory."""
+
+    def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None) -> None:
+        self.server_args = server_args
+        self.device = resolve_device(server_args.device)
+        self.dtype = resolve_dtype(server_args.dtype, self.device)
+        self.model_config = model_config or ModelConfig.from_name_or_path(server_args.model_path)
+        load_format = resolve_load_format(server_args)
+        model_path = Path(server_args.model_path) if load_format != "dummy" else None
+        self.model = load_model(
+            self.model_config, model_path, load_format, self.dtype, self.device, seed=server_args.seed
+        )
+        self.context_len = server_args.context_length or self.model_config.context_len
+        self.eos_token_ids = checkpoint_eos_token_ids(self.model_config, server_args.model_path)
+        full_tokens, swa_tokens = self._pool_sizes()
+        self.req_to_token_pool = ReqToTokenPool(
+            server_args.max_running_requests, min(self.context_len, full_tokens) + 1, self.device
+        )
+        self.token_allocator = SWATokenAllocator(full_tokens, swa_tokens, self.device)
+        self.kv_pool = HybridKVPool(self.model_config.layers, self.token_allocator, self.dtype, self.device)
+        backend = server_args.attention_backend
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" else "torch_native"
+        self.attn_backend = create_attention_backend(backend)
+        # rows the KV-shared layers did not run on, over every forward so far (YOCO fast prefill; /metrics)
+        self.yoco_rows_skipped_total = 0
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and backend == "triton" and not server_args.disable_cuda_graph:
+            self.capture_cuda_graphs()
+        logger.info(
+            "model ready: %s on %s (%s), KV pools: full %d tokens, swa %d tokens, attention %s",
+            server_args.model_path,
+            self.device,
+            self.dtype,
+            full_tokens,
+            swa_tokens,
+            backend,
+        )
+
+    def _pool_sizes(self) -> tuple[int, int]:
+        """(full, swa) pool tokens: --max-total-tokens, else --mem-fraction-static of the GPU's memory."""
+        args = self.server_args
+        weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        device_memory = None
+        max_total_tokens = args.max_total_tokens
+        if self.device.type == "cuda":
+            device_memory = torch.cuda.get_device_properties(self.device).total_memory
+        elif max_total_tokens is None:
+            max_total_tokens = CPU_DEFAULT_TOTAL_TOKENS  # no device memory to size from
+        plan = plan_memory(
+            self.model_config,
+            self.dtype,
+            weight_bytes,
+            device_memory_bytes=device_memory,
+            mem_fraction_static=args.mem_fraction_static,
+            max_total_tokens=max_total_tokens,
+            swa_full_tokens_ratio=args.swa_full_tokens_ratio,
+        )
+        logger.info("KV memory: %s", plan.summary())
+        self.memory_plan = plan
+        return plan.full_tokens, plan.swa_tokens
+
+    def capture_cuda_graphs(self, use_graphs: bool = True) -> None:
+        """Capture decode steps and YOCO's KV-shared layers per batch size (`use_graphs=False`: run the same
+        padded steps eagerly, which is how CPU tests cover them)."""
+        args = self.server_args
+        max_bs = min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests)
+        batch_sizes = default_batch_sizes(max_bs)
+        pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        pools = (self.req_to_token_pool, self.kv_pool)
+        self.decode_graphs = DecodeGraphs(self.model, self.attn_backend, *pools, batch_sizes, use_graphs, pool)
+        text_model = self.model.model
+        if text_model.yoco_layer is not None:
+            text_model.shared_layer_graphs = SharedLayerGraphs(
+                text_model, self.attn_backend, *pools, batch_sizes, use_graphs, pool
+            )
+
+    def forward(self, batch: ForwardBatch) -> LogitsOutput:
+        """Logits of `batch.logits_rows`; KV of the batch's new tokens is written to the pools.
+
+        The output of a CUDA-graph replay lives in the graph's buffers: read it before the next forward.
+        """
+        if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            return self.decode_graphs(batch)
+        output = self.model(batch, self.attn_backend)
+        if output.yoco_skipped_rows:
+            self.yoco_rows_skipped_total += output.yoco_skipped_rows
+            logger.debug(
+                "YOCO: KV-shared layers skipped %d of %d rows (%d in total)",
+                output.yoco_skipped_rows,
+                batch.num_tokens,
+                self.yoco_rows_skipped_total,
+            )
+        return output
+
+
+def checkpoint_eos_token_ids(model_config: ModelConfig, model_path: str) -> list[int]:
+    """EOS ids of the config and of generation_config.json (Gemma's end-of-turn token is only there)."""
+    ids = set(model_config.eos_token_ids)
+    path = Path(model_path)
+    if (path / "generation_config.json").is_file():
+        eos = GenerationConfig.from_pretrained(str(path)).eos_token_id
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(ids)

@@ -1,0 +1,120 @@
+"""Build a Gemma 4 model on a device and fill its weights.
+
+The model is built on the meta device and materialised once on the target device in the target dtype, so
+loading never holds two copies of the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from srt.configs.model_config import ModelConfig
+from srt.model_loader.weight_names import to_param_name
+from srt.models.gemma4 import Gemma4ForCausalLM
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model: missing, unexpected or mis-shaped tensors."""
+
+
+def safetensors_files(model_path: str | Path) -> list[Path]:
+    """The weight files of a checkpoint directory: the shards of the index, or `model.safetensors`."""
+    path = Path(model_path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if found:
+        return found
+    raise FileNotFoundError(f"no safetensors weights in {path} (looked for model.safetensors[.index.json])")
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> Gemma4ForCausalLM:
+    """An uninitialised model with every parameter allocated on `device` in `dtype`."""
+    with torch.device("meta"):
+        model = Gemma4ForCausalLM(config)
+    return model.to(dtype=dtype).to_empty(device=device).eval()
+
+
+def load_model(
+    config: ModelConfig,
+    model_path: str | Path | None,
+    load_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+) -> Gemma4ForCausalLM:
+    """The model with weights from `model_path` (safetensors) or seeded random values (`dummy`)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}")
+    model = build_model(config, dtype, device)
+    if load_format == "dummy":
+        fill_dummy_weights(model, seed)
+    else:
+        if model_path is None:
+            raise ValueError("a checkpoint directory is needed unless load_format is 'dummy'")
+        load_safetensors(model, config, model_path)
+    model.fuse_projections()
+    return model
+
+
+@torch.no_grad()
+def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: str | Path) -> None:
+    """Copy every checkpoint tensor into its parameter; raise one CheckpointError naming every problem."""
+    state = model.state_dict()
+    loaded: set[str] = set()
+    unexpected, mis_shaped = [], []
+    files = safetensors_files(model_path)
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=None) as progress:
+        for handle in handles:
+            for checkpoint_name in handle.keys():
+                progress.update(1)
+                name = to_param_name(checkpoint_name, config)
+                if name is None:
+                    continue
+                if name not in state:
+                    unexpected.append(checkpoint_name)
+                    continue
+                tensor = handle.get_tensor(checkpoint_name)
+                if tuple(tensor.shape) != tuple(state[name].shape):
+                    mis_shaped.append(f"{checkpoint_name}: {tuple(tensor.shape)} != {tuple(state[name].shape)}")
+                    continue
+                state[name].copy_(tensor)
+                loaded.add(name)
+    missing = sorted(set(state) - loaded)
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+    if mis_shaped:
+        problems.append(f"wrong shapes (checkpoint != model): {'; '.join(mis_shaped)}")
+    if problems:
+        raise CheckpointError(f"checkpoint {model_path} does not match the model: " + " | ".join(problems))
+
+
+@torch.no_grad()
+def fill_dummy_weights(model: Gemma4ForCausalLM, seed: int) -> None:
+    """Seeded random weights at the real shapes (for benchmarks: a forward costs the same for any values).
+
+    Norm weights, scales and layer scalars are 1 so activations keep a sane range through deep stacks.
+    """
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, tensor in tqdm(list(model.state_dict().items()), desc="Dummy weights", unit="tensor", disable=None):
+        if "norm" in name or name.endswith(("layer_scalar", "scale")):
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, 0.02, generator=generator)

@@ -1,0 +1,196 @@
+"""Gemma 4 text model over paged KV (E2B, E4B, 26B-A4B, 31B).
+
+Numerically it follows transformers' modeling_gemma4.py; parameter names are the checkpoint's, so a Hugging
+Face directory loads as it is. What differs is the execution: a flat batch of token rows (ForwardBatch),
+KV written to the pools by each KV-owning layer's fused q/k/v kernel (`qkv_norm_rope_store`) and read through
+an attention backend, KV-shared layers with no K/V weights reading their owner's buffers, and logits only for
+the rows the caller needs. The decoder layer and its parts are in models/gemma4_layers.py.
+
+YOCO fast prefill (E2B, E4B): the KV-shared layers write no KV, so nothing later reads their output at a row
+whose logits nobody needs. Before the first of them the batch shrinks to its logits rows:
+
+    layers 0 .. first_shared-1   every row (they write the KV every later row reads)
+    gather logits_rows           hidden, per-layer inputs; ForwardBatch.select_rows + metadata
+    layers first_shared .. end   logits rows only, each attending over its request's whole prefix
+    final norm, LM head          logits rows
+
+With one logits row per request (the usual prefill) the second part has the shape of a decode step, so on
+GPU it replays a captured CUDA graph (`shared_layer_graphs`) instead of launching ~20 kernels per layer.
+
+`GEMMA4_YOCO=0` (read when the model is built) runs every layer on every row instead, for A/B runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import nn
+
+from srt.configs.model_config import ModelConfig
+from srt.layers.attention.base import AttentionBackend
+from srt.layers.layernorm import RMSNorm
+from srt.layers.logits_processor import LogitsOutput, compute_logits
+from srt.layers.rotary import RotaryEmbedding
+from srt.model_executor.forward_batch import ForwardBatch
+from srt.models.gemma4_layers import (
+    Gemma4Attention,
+    Gemma4DecoderLayer,
+    Gemma4MLP,
+    ScaledEmbedding,
+    store_transposed,
+)
+
+if TYPE_CHECKING:
+    from srt.model_executor.cuda_graph_runner import SharedLayerGraphs
+
+logger = logging.getLogger(__name__)
+
+YOCO_ENV = "GEMMA4_YOCO"
+
+
+def yoco_enabled_by_env() -> bool:
+    """False only when the environment says `GEMMA4_YOCO=0` (YOCO is on by default)."""
+    return os.environ.get(YOCO_ENV, "1").strip() != "0"
+
+
+class TextModelOutput(NamedTuple):
+    hidden_states: torch.Tensor  # [logits rows, hidden] after the final norm
+    yoco_skipped_rows: int  # rows the KV-shared layers did not run on (0 without YOCO)
+
+
+class Gemma4TextModel(nn.Module):
+    """Embeddings, per-layer inputs (PLE), decoder layers, final norm. Parameter prefix `model.`."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hf = config.hf_text_config
+        self.config = config
+        self.embed_tokens = ScaledEmbedding(hf.vocab_size, hf.hidden_size, hf.hidden_size**0.5)
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(config, spec) for spec in config.layers)
+        self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
+        self.rotary = RotaryEmbedding(hf)
+        self.ple_dim = hf.hidden_size_per_layer_input or 0
+        if self.ple_dim:
+            total = config.num_layers * self.ple_dim
+            self.embed_tokens_per_layer = ScaledEmbedding(hf.vocab_size_per_layer_input, total, self.ple_dim**0.5)
+            self.per_layer_model_projection = nn.Linear(hf.hidden_size, total, bias=False)
+            self.per_layer_projection_norm = RMSNorm(self.ple_dim, hf.rms_norm_eps)
+        # the layer at which the batch shrinks to its logits rows (YOCO); None runs every row through
+        self.yoco_layer: int | None = None
+        self.set_yoco(yoco_enabled_by_env())
+        # captured CUDA graphs of `run_shared_layers`, set by the ModelRunner when it captures them
+        self.shared_layer_graphs: SharedLayerGraphs | None = None
+        if config.first_kv_shared_layer is None:
+            logger.info("YOCO fast prefill: n/a (no KV-shared layers)")
+        elif self.yoco_layer is None:
+            logger.info("YOCO fast prefill: off (%s=0)", YOCO_ENV)
+        else:
+            logger.info(
+                "YOCO fast prefill: on (layers %d..%d run on logits rows only; %s=0 turns it off)",
+                self.yoco_layer,
+                config.num_layers - 1,
+                YOCO_ENV,
+            )
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[tokens, layers, ple_dim]: (projection of the embedding + token's own PLE row) / sqrt(2)."""
+        tokens = input_ids.shape[0]
+        projected = self.per_layer_model_projection(embeds) * self.config.hidden_size**-0.5
+        projected = self.per_layer_projection_norm(projected.view(tokens, self.config.num_layers, self.ple_dim))
+        identity = self.embed_tokens_per_layer(input_ids).view(tokens, self.config.num_layers, self.ple_dim)
+        return (projected + identity) * 2.0**-0.5
+
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scaled token embeddings and, on PLE checkpoints, the per-layer inputs of every layer."""
+        hidden = self.embed_tokens(input_ids)
+        return hidden, self.per_layer_inputs(input_ids, hidden) if self.ple_dim else None
+
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        per_layer: torch.Tensor | None,
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+        layers: range,
+    ) -> torch.Tensor:
+        """Decoder layers `layers` over the batch's rows; attention metadata must be built for `batch`."""
+        cos_sin = {t: self.rotary.cos_sin(batch.positions, t, hidden.dtype) for t in self.rotary.layer_types}
+        attn_input = self.layers[layers[0]].input_layernorm(hidden) if len(layers) else None
+        for i in layers:
+            spec = self.config.layers[i]
+            layer_input = per_layer[:, i] if per_layer is not None else None
+            # each layer's last add also norms for the next layer's attention (one kernel, not two)
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 in layers else None
+            hidden, attn_input = self.layers[i](
+                hidden, attn_input, layer_input, cos_sin[spec.layer_type], batch, backend, next_norm
+            )
+        return hidden
+
+    def run_shared_layers(
+        self, hidden: torch.Tensor, per_layer: torch.Tensor | None, batch: ForwardBatch, backend: AttentionBackend
+    ) -> torch.Tensor:
+        """YOCO's second part: the KV-shared layers and the final norm over logits rows only."""
+        hidden = self.run_layers(hidden, per_layer, batch, backend, range(self.yoco_layer, len(self.layers)))
+        return self.norm(hidden)
+
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> TextModelOutput:
+        """Final-norm hidden states of the batch's logits rows; attention metadata must be built for `batch`."""
+        hidden, per_layer = self.embed(batch.input_ids)
+        all_rows = len(batch.logits_rows_cpu) == batch.num_tokens
+        if self.yoco_layer is None or all_rows:
+            # with every row needed (decode, verify, all prompt logprobs) YOCO has nothing to save
+            hidden = self.run_layers(hidden, per_layer, batch, backend, range(len(self.layers)))
+            return TextModelOutput(self.norm(hidden if all_rows else hidden[batch.logits_rows]), 0)
+
+        hidden = self.run_layers(hidden, per_layer, batch, backend, range(self.yoco_layer))
+        rows = batch.logits_rows
+        hidden = hidden[rows]
+        per_layer = per_layer[rows] if per_layer is not None else None
+        shared = batch.select_rows(batch.logits_rows_cpu)
+        skipped = batch.num_tokens - shared.num_tokens
+        if not shared.num_tokens:
+            return TextModelOutput(hidden, skipped)  # an intermediate prefill chunk: no row needs the rest
+        if self.shared_layer_graphs is not None and self.shared_layer_graphs.can_run(shared):
+            return TextModelOutput(self.shared_layer_graphs(hidden, per_layer, shared), skipped)
+        backend.init_forward_metadata(shared)
+        return TextModelOutput(self.run_shared_layers(hidden, per_layer, shared, backend), skipped)
+
+    def set_yoco(self, enabled: bool) -> None:
+        """Run the KV-shared layers on logits rows only (when the checkpoint has any); for A/B runs."""
+        self.yoco_layer = self.config.first_kv_shared_layer if enabled else None
+
+
+class Gemma4ForCausalLM(nn.Module):
+    """The text model plus the (tied) LM head with final logit softcapping."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma4TextModel(config)
+        self.tie_word_embeddings = bool(config.hf_text_config.tie_word_embeddings)
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def fuse_projections(self) -> None:
+        """Stack projections that read the same input into one matmul each and store every projection weight
+        transposed (`stack_linears`); call once, after loading weights."""
+        for module in self.modules():
+            if isinstance(module, (Gemma4Attention, Gemma4MLP)):
+                module.fuse_projections()
+        # the LM head too (cuBLAS: 482 -> 449 us at 32 rows); a tied embedding's lookup then gathers strided
+        # columns, which costs little next to it
+        store_transposed(self.model.embed_tokens if self.tie_word_embeddings else self.lm_head)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> LogitsOutput:
+        backend.init_forward_metadata(batch)
+        hidden, skipped = self.model(batch, backend)
+        softcap = self.config.hf_text_config.final_logit_softcapping
+        return LogitsOutput(compute_logits(hidden, self.lm_head_weight, softcap), hidden, skipped)

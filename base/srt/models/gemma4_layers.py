@@ -1,0 +1,228 @@
+"""The building blocks of a Gemma 4 decoder: embeddings, attention, MLP, decoder layer, residual add + norm.
+
+Parameter names are the checkpoint's (`Gemma4ForCausalLM` in models/gemma4.py assembles the model). After
+loading, `fuse_projections` stacks projections that read the same input and stores every projection weight
+transposed; at decode sizes the o and down projections return K-split partial sums that the residual add +
+norm after them sums (`layers/split_k.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from srt.configs.model_config import AttentionLayerSpec, ModelConfig
+from srt.layers.attention.base import AttentionBackend
+from srt.layers.fused_kernels import add_rms_norm, add_rms_norm_then_norm, rms_norm_rope
+from srt.layers.gelu_kernels import gelu_tanh_mul_packed
+from srt.layers.layernorm import RMSNorm
+from srt.layers.moe.experts import Experts
+from srt.layers.moe.router import Router
+from srt.layers.ple_kernels import per_layer_input_projection
+from srt.layers.qkv_norm_rope_store import QKVLayout, qkv_norm_rope_store
+from srt.layers.split_k import linear_partials
+from srt.model_executor.forward_batch import ForwardBatch
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Embedding times a constant; the constant is rounded to the weight dtype first, as the reference does."""
+
+    def __init__(self, num_embeddings: int, dim: int, scale: float) -> None:
+        super().__init__(num_embeddings, dim)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * torch.tensor(self.scale, dtype=self.weight.dtype)
+
+
+# Projection weights are stored transposed: a Linear's [out, in] weight is a view of a contiguous [in, out]
+# tensor. F.linear then runs x @ W^T on a row-major W^T, which cuBLAS streams 2-8% faster at decode sizes on
+# an H100 (bench/bench_gemm_layouts.py: gate_up 40.9 -> 38.9 us at 32 rows) with the same values.
+
+
+@torch.no_grad()
+def stack_linears(*linears: nn.Linear) -> nn.Linear:
+    """One bias-free Linear whose output is the given Linears' outputs side by side (one matmul, not several),
+    its weight stored transposed."""
+    weight_t = torch.cat([linear.weight.t() for linear in linears], dim=1)
+    stacked = nn.Linear(weight_t.shape[0], weight_t.shape[1], bias=False, device="meta")  # no init work
+    stacked.weight = nn.Parameter(weight_t.t())
+    return stacked
+
+
+@torch.no_grad()
+def store_transposed(module: nn.Linear | nn.Embedding) -> None:
+    """`module`'s 2-D weight, same values and shape, as a view of its contiguous transpose (no copy when it is
+    one already)."""
+    module.weight = nn.Parameter(module.weight.t().contiguous().t())
+
+
+class Gemma4Attention(nn.Module):
+    """q/k/v projections with q/k/v norms and RoPE; scaling 1.0. KV-shared layers have only q and o.
+
+    Weights load into the checkpoint's q_proj / k_proj / v_proj; `fuse_projections` then stacks them into
+    `qkv_proj` (q and k only on k_eq_v layers), the form `forward` runs.
+    """
+
+    def __init__(self, spec: AttentionLayerSpec, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.spec = spec
+        dim, heads, kv_heads = spec.head_dim, spec.num_heads, spec.num_kv_heads
+        self.q_proj = nn.Linear(hidden_size, heads * dim, bias=False)
+        self.q_norm = RMSNorm(dim, eps=eps)
+        self.qkv_proj: nn.Linear | None = None
+        if spec.owns_kv:
+            self.k_proj = nn.Linear(hidden_size, kv_heads * dim, bias=False)
+            # k_eq_v layers (full layers of 26B/31B) take V from the K projection before its norm and RoPE
+            self.v_proj = None if spec.k_eq_v else nn.Linear(hidden_size, kv_heads * dim, bias=False)
+            self.k_norm = RMSNorm(dim, eps=eps)
+            self.v_norm = RMSNorm(dim, eps=eps, with_scale=False)
+            self.layout = QKVLayout(heads, kv_heads, dim, spec.k_eq_v)
+        self.o_proj = nn.Linear(heads * dim, hidden_size, bias=False)
+
+    def fuse_projections(self) -> None:
+        if self.spec.owns_kv and self.qkv_proj is None:
+            self.qkv_proj = stack_linears(*(p for p in (self.q_proj, self.k_proj, self.v_proj) if p is not None))
+            del self.q_proj, self.k_proj, self.v_proj
+        elif not self.spec.owns_kv:
+            store_transposed(self.q_proj)
+        store_transposed(self.o_proj)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        tokens, dim = hidden.shape[0], self.spec.head_dim
+        cos, sin = cos_sin
+        if not self.spec.owns_kv:
+            q = rms_norm_rope(self.q_proj(hidden).view(tokens, -1, dim), self.q_norm.weight, cos, sin, self.q_norm.eps)
+        elif self.qkv_proj is None:
+            raise RuntimeError("Gemma4Attention runs after fuse_projections() (load_model calls it)")
+        else:  # norms, RoPE and the K/V cache write in one kernel on GPU; the attention then reads the cache only
+            q = qkv_norm_rope_store(
+                self.qkv_proj(hidden),
+                self.layout,
+                self.q_norm,
+                self.k_norm,
+                self.v_norm,
+                cos,
+                sin,
+                batch.kv_pool.cache_target(self.spec.layer_id),
+                batch.out_cache_loc,
+            )
+        out = backend.forward(q, None, None, self.spec, batch, save_kv=False)
+        return linear_partials(out.reshape(tokens, -1), self.o_proj.weight)
+
+
+class Gemma4MLP(nn.Module):
+    """gelu-tanh gated MLP; `fuse_projections` stacks the checkpoint's gate_proj and up_proj into gate_up_proj."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse_projections(self) -> None:
+        if self.gate_up_proj is None:
+            self.gate_up_proj = stack_linears(self.gate_proj, self.up_proj)
+            del self.gate_proj, self.up_proj
+        store_transposed(self.down_proj)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is None:
+            raise RuntimeError("Gemma4MLP runs after fuse_projections() (load_model calls it)")
+        # cuBLAS on the transposed weight, then gelu * up: a Triton GEMV with it folded in (skinny_gemm.py until
+        # the 14th session) was slower on this layout
+        return linear_partials(gelu_tanh_mul_packed(self.gate_up_proj(x)), self.down_proj.weight)
+
+
+class Gemma4DecoderLayer(nn.Module):
+    """Attention, dense MLP (+ MoE block on 26B-A4B), per-layer input, layer scalar."""
+
+    def __init__(self, config: ModelConfig, spec: AttentionLayerSpec) -> None:
+        super().__init__()
+        hf = config.hf_text_config
+        hidden, eps = hf.hidden_size, hf.rms_norm_eps
+        self.self_attn = Gemma4Attention(spec, hidden, eps)
+        # KV-shared layers of double-wide checkpoints (E2B) have twice the MLP width
+        double_wide = bool(hf.use_double_wide_mlp) and not spec.owns_kv
+        self.mlp = Gemma4MLP(hidden, hf.intermediate_size * (2 if double_wide else 1))
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+        self.has_moe = config.is_moe
+        if self.has_moe:
+            self.router = Router(hidden, hf.num_experts, hf.top_k_experts, eps)
+            self.experts = Experts(hf.num_experts, hidden, hf.moe_intermediate_size)
+            self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
+            self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+            self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+        self.ple_dim = hf.hidden_size_per_layer_input or 0
+        if self.ple_dim:
+            self.per_layer_input_gate = nn.Linear(hidden, self.ple_dim, bias=False)
+            self.per_layer_projection = nn.Linear(self.ple_dim, hidden, bias=False)
+            self.post_per_layer_input_norm = RMSNorm(hidden, eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        attn_input: torch.Tensor,
+        per_layer_input: torch.Tensor | None,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        batch: ForwardBatch,
+        backend: AttentionBackend,
+        next_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(new hidden, next_norm(new hidden) or None). `attn_input` is input_layernorm(hidden): the layer
+        before computes it in the kernel of its last residual add, as this one does for `next_norm`. The
+        attention and MLP outputs may come as K-split partial sums (`split_k.linear_partials`): the add + norm
+        kernels after them take either form."""
+        attn = self.self_attn(attn_input, cos_sin, batch, backend)
+        hidden, mlp_input = add_norm_then_norm(
+            self.post_attention_layernorm, attn, hidden, self.pre_feedforward_layernorm
+        )
+
+        residual = hidden
+        mlp_out = self.mlp(mlp_input)
+        if self.has_moe:
+            # the router and the experts see the residual stream, not the dense MLP's input norm
+            routing = self.router(residual)
+            expert_out = self.experts(self.pre_feedforward_layernorm_2(residual), *routing)
+            expert_out = self.post_feedforward_layernorm_2(expert_out)
+            mlp_out = add_norm(self.post_feedforward_layernorm_1, mlp_out, expert_out)
+        if not self.ple_dim:
+            return add_norm_then_norm(self.post_feedforward_layernorm, mlp_out, residual, next_norm, self.layer_scalar)
+        # the layer scalar multiplies the layer's last sum: the per-layer-input one here
+        hidden = add_norm(self.post_feedforward_layernorm, mlp_out, residual)
+        # gate GEMV, gelu * per-layer input, projection GEMV: two split-K kernels at decode sizes on GPU
+        projected = per_layer_input_projection(
+            hidden, per_layer_input, self.per_layer_input_gate.weight, self.per_layer_projection.weight
+        )
+        return add_norm_then_norm(self.post_per_layer_input_norm, projected, hidden, next_norm, self.layer_scalar)
+
+
+def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """(residual + norm(x)) * scale in one fused kernel on GPU."""
+    return add_rms_norm(x, residual, norm.weight if norm.with_scale else None, norm.eps, scale)
+
+
+def add_norm_then_norm(
+    norm: RMSNorm,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    next_norm: RMSNorm | None,
+    scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(summed, next_norm(summed)) with summed = (residual + norm(x)) * scale, in one fused kernel on GPU;
+    (summed, None) without a next norm."""
+    if next_norm is None:
+        return add_norm(norm, x, residual, scale), None
+    weight = norm.weight if norm.with_scale else None
+    return add_rms_norm_then_norm(x, residual, weight, norm.eps, next_norm.weight, next_norm.eps, scale)

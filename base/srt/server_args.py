@@ -1,0 +1,139 @@
+"""Every knob of srt in one dataclass; the CLI is generated from it, so each field's help is the doc."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
+SCHEDULE_POLICIES = ("lpm", "fcfs")
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _arg(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
+
+
+@dataclass
+class ServerArgs:
+    model_path: str = _arg(
+        "",
+        "Model to serve: a Hugging Face checkpoint directory, a model name in the local Hugging Face cache, "
+        "or a built-in preset name (e.g. gemma-4-E4B-it) together with --load-format dummy.",
+        aliases=("--model",),
+    )
+    tokenizer_path: str | None = _arg(None, "Tokenizer directory (default: the model directory).")
+    load_format: str = _arg(
+        "auto", "auto/safetensors: read the checkpoint; dummy: real shapes, seeded random weights.", LOAD_FORMATS
+    )
+    dtype: str = _arg("auto", "Weight and activation dtype; auto = bfloat16 on GPU, float32 on CPU.", DTYPES)
+    device: str = _arg("auto", "Where the model runs; auto = cuda when available, else cpu.", DEVICES)
+    seed: int = _arg(0, "Seed of dummy weights and of sampling for requests without their own seed.")
+    attention_backend: str = _arg(
+        "auto", "Attention kernels; auto = triton on GPU, torch_native (reference) on CPU.", ATTENTION_BACKENDS
+    )
+    context_length: int | None = _arg(
+        None, "Longest prompt + output in tokens (default: the model's max_position_embeddings)."
+    )
+    max_total_tokens: int | None = _arg(
+        None, "Tokens of the full-attention KV pool; overrides the size derived from --mem-fraction-static."
+    )
+    mem_fraction_static: float = _arg(
+        0.85, "Fraction of GPU memory for weights plus KV pools; the KV pools get what the weights leave."
+    )
+    swa_full_tokens_ratio: float | None = _arg(
+        None,
+        "Sliding-window pool tokens / full pool tokens (default 0.15 for MoE checkpoints, 0.8 for dense).",
+    )
+    max_running_requests: int = _arg(64, "Most requests in the running batch at once.")
+    max_prefill_tokens: int = _arg(16384, "Most prompt tokens computed in one prefill forward.")
+    chunked_prefill_size: int = _arg(
+        8192, "Longer prompts are computed in chunks of this many tokens, one chunked request at a time (0: off)."
+    )
+    schedule_policy: str = _arg(
+        "lpm", "Admission order: lpm = longest cached prefix first, fcfs = arrival order.", SCHEDULE_POLICIES
+    )
+    disable_radix_cache: bool = _arg(False, "Do not reuse KV of shared prompt prefixes across requests.")
+    disable_cuda_graph: bool = _arg(
+        False,
+        "Launch every kernel of decode steps (and of YOCO's KV-shared layers) eagerly instead of replaying "
+        "CUDA graphs captured at start-up (GPU with the triton backend only).",
+    )
+    cuda_graph_max_bs: int | None = _arg(
+        None, "Largest batch captured in a CUDA graph (default: --max-running-requests); larger ones run eagerly."
+    )
+    # ---- serving ----
+    host: str = _arg("127.0.0.1", "Address the HTTP server listens on (0.0.0.0: every interface).")
+    port: int = _arg(30000, "Port of the HTTP server.")
+    served_model_name: str | None = _arg(
+        None, "Model name the OpenAI API reports and accepts (default: the --model argument as given)."
+    )
+    log_interval: float = _arg(
+        10.0, "Seconds between status log lines (requests, KV usage, throughput) while busy; 0: never."
+    )
+    log_level: str = _arg("info", "Log level of every serving process.", LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first field that is out of range."""
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
+        if not 0 < self.mem_fraction_static <= 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1]; got {self.mem_fraction_static}")
+        if self.swa_full_tokens_ratio is not None and self.swa_full_tokens_ratio <= 0:
+            raise ValueError(f"swa_full_tokens_ratio must be > 0; got {self.swa_full_tokens_ratio}")
+        if self.max_total_tokens is not None and self.max_total_tokens <= 0:
+            raise ValueError(f"max_total_tokens must be > 0; got {self.max_total_tokens}")
+        if self.max_prefill_tokens <= 0:
+            raise ValueError(f"max_prefill_tokens must be > 0; got {self.max_prefill_tokens}")
+        if self.chunked_prefill_size < 0:
+            raise ValueError(f"chunked_prefill_size must be >= 0; got {self.chunked_prefill_size}")
+        if self.max_running_requests <= 0:
+            raise ValueError(f"max_running_requests must be > 0; got {self.max_running_requests}")
+        if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs <= 0:
+            raise ValueError(f"cuda_graph_max_bs must be > 0; got {self.cuda_graph_max_bs}")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must be in [0, 65535]; got {self.port}")
+        if self.log_interval < 0:
+            raise ValueError(f"log_interval must be >= 0; got {self.log_interval}")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """One `--flag` per field, with the field's help text and default."""
+        for f in dataclasses.fields(ServerArgs):
+            flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
+            kind = _cli_type(f)
+            if kind is bool:
+                parser.add_argument(*flags, dest=f.name, action="store_true", help=f.metadata["help"])
+                continue
+            parser.add_argument(
+                *flags,
+                dest=f.name,
+                type=kind,
+                default=f.default,
+                choices=f.metadata.get("choices"),
+                help=f"{f.metadata['help']} (default: {f.default})",
+            )
+
+    @classmethod
+    def from_cli(cls, namespace: argparse.Namespace) -> ServerArgs:
+        return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+
+
+def _cli_type(f: dataclasses.Field) -> type:
+    annotation = str(f.type)
+    for name, kind in (("bool", bool), ("int", int), ("float", float)):
+        if annotation.startswith(name):
+            return kind
+    return str

@@ -1,0 +1,152 @@
+"""Write a tiny, randomly initialised Gemma 4 checkpoint that transformers loads like a published one.
+
+    python -m srt.tools.make_checkpoint --preset tiny-gemma-4-E4B-it --out /tmp/tiny-e4b [--seed 0]
+        [--dtype float32|bfloat16] [--max-shard-size 200KB]
+
+The directory holds config.json (`Gemma4TextConfig`, model_type `gemma4_text`), safetensors weights (sharded
+with `model.safetensors.index.json` when `--max-shard-size` is small), generation_config.json and a byte-level
+BPE tokenizer with Gemma 4's special tokens and chat template (see `tokenizer_builder`).
+
+Transformers' own init leaves norms at 1, `layer_scalar` at 1 and router scales at 1, which would let a
+serving implementation that ignores any of them still match the reference. Every parameter and persistent
+buffer is therefore re-drawn from a seeded generator, so the same preset and seed give byte-identical weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import Gemma4ForCausalLM, GenerationConfig
+from transformers.models.gemma4.modeling_gemma4 import (
+    Gemma4RMSNorm,
+    Gemma4TextDecoderLayer,
+    Gemma4TextExperts,
+    Gemma4TextRouter,
+)
+
+from srt.configs import presets
+from srt.tools import tokenizer_builder
+
+# Standard deviations of the random init. The LM head is tied to the embeddings, so EMBED_STD sets the spread
+# of the final logits: with hidden_size 64 they have std ~1.6 and the top-1/top-2 gap has a median of ~0.3
+# (under 1e-3 for ~0.3% of positions). Attention, MLP and expert outputs are RMS-normalised before they reach
+# the residual, so LINEAR_STD mainly sets how non-linear the GELU gates are.
+EMBED_STD = 0.2
+LINEAR_STD = 0.08
+# Router scores are (normed hidden * scale / sqrt(hidden)) @ proj, std ~ROUTER_STD: wide enough that the
+# k-th and (k+1)-th experts are ~0.3 apart (median) while every expert still gets traffic.
+ROUTER_STD = 2.0
+NORM_WEIGHT_STD = 0.1  # RMSNorm multiplies by `weight` directly: weight = 1 + N(0, 0.1)
+SCALAR_RANGE = (0.5, 1.5)  # layer_scalar, router scale and per-expert scale: uniform, positive, around 1
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def make_checkpoint(
+    preset: str, out: str | Path, seed: int = 0, dtype: str = "float32", max_shard_size: str | None = None
+) -> Path:
+    """Build the tiny checkpoint of `preset` in directory `out` (created if needed) and return its path."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    config = presets.preset_text_config(preset)
+    if config.vocab_size != presets.TINY_VOCAB_SIZE:
+        raise ValueError(f"{preset!r} is not a tiny preset; make_checkpoint only builds the tiny- presets")
+    ids = tokenizer_builder.special_token_ids(config.vocab_size)
+    config.pad_token_id, config.bos_token_id = ids[tokenizer_builder.PAD], ids[tokenizer_builder.BOS]
+    end_of_text, end_of_turn = ids[tokenizer_builder.EOS], ids[tokenizer_builder.END_OF_TURN]
+    # As in the published checkpoints: config.json stops at end of text or end of turn; generation also
+    # stops where the model hands over to a tool (<|tool_response>).
+    config.eos_token_id = [end_of_text, end_of_turn]
+
+    torch.manual_seed(seed)
+    model = Gemma4ForCausalLM(config).eval()
+    randomize_weights(model, seed)
+    model.to(DTYPES[dtype])
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # Weights of an earlier build (say, sharded) would contradict these: save_pretrained keeps a stale index.
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **save_kwargs)
+    GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=[end_of_text, end_of_turn, ids[tokenizer_builder.TOOL_RESPONSE]],
+        pad_token_id=config.pad_token_id,
+    ).save_pretrained(out)
+    empty_thought_channel = tokenizer_builder.opens_empty_thought_channel(config)
+    tokenizer = tokenizer_builder.build_tokenizer(config.vocab_size, empty_thought_channel)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@torch.no_grad()
+def randomize_weights(model: nn.Module, seed: int) -> None:
+    """Re-draw every parameter and persistent buffer of a Gemma 4 text model from a generator seeded `seed`.
+
+    Raises if any parameter or saved buffer is left untouched (a new transformers module would otherwise
+    silently keep its default init).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    touched: set[int] = set()
+
+    def normal_(tensor: torch.Tensor, std: float, mean: float = 0.0) -> None:
+        tensor.copy_(torch.randn(tensor.shape, generator=generator) * std + mean)
+        touched.add(id(tensor))
+
+    def uniform_(tensor: torch.Tensor, low: float, high: float) -> None:
+        tensor.copy_(torch.rand(tensor.shape, generator=generator) * (high - low) + low)
+        touched.add(id(tensor))
+
+    # named_modules() walks in registration order, so the draw order (and the weights) are deterministic.
+    for _, module in model.named_modules():
+        if isinstance(module, Gemma4RMSNorm) and module.with_scale:
+            normal_(module.weight, NORM_WEIGHT_STD, mean=1.0)
+        elif isinstance(module, nn.Embedding):
+            normal_(module.weight, EMBED_STD)
+        elif isinstance(module, nn.Linear) and id(module.weight) not in touched:  # lm_head is tied
+            normal_(module.weight, LINEAR_STD)
+            if module.bias is not None:
+                normal_(module.bias, LINEAR_STD)
+        elif isinstance(module, Gemma4TextRouter):
+            normal_(module.proj.weight, ROUTER_STD)
+            uniform_(module.scale, *SCALAR_RANGE)
+            uniform_(module.per_expert_scale, *SCALAR_RANGE)
+        elif isinstance(module, Gemma4TextExperts):
+            normal_(module.gate_up_proj, LINEAR_STD)
+            normal_(module.down_proj, LINEAR_STD)
+        elif isinstance(module, Gemma4TextDecoderLayer):
+            uniform_(module.layer_scalar, *SCALAR_RANGE)
+
+    saved = dict(model.named_parameters())
+    saved.update({name: buf for name, buf in model.named_buffers() if _is_persistent(model, name)})
+    missed = sorted(name for name, tensor in saved.items() if id(tensor) not in touched)
+    if missed:
+        raise RuntimeError(f"randomize_weights does not know how to initialise: {', '.join(missed)}")
+
+
+def _is_persistent(model: nn.Module, buffer_name: str) -> bool:
+    owner_name, _, leaf = buffer_name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    return leaf not in owner._non_persistent_buffers_set
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    tiny = [name for name in presets.preset_names() if name.startswith("tiny-")]
+    parser.add_argument("--preset", required=True, choices=tiny)
+    parser.add_argument("--out", required=True, help="checkpoint directory to write")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--max-shard-size", default=None, help="e.g. 200KB; shards the safetensors weights")
+    args = parser.parse_args(argv)
+    path = make_checkpoint(args.preset, args.out, args.seed, args.dtype, args.max_shard_size)
+    print(f"wrote {args.preset} (seed {args.seed}, {args.dtype}) to {path}")
+
+
+if __name__ == "__main__":
+    main()
