@@ -60,8 +60,8 @@ def _decode_gemm_kernel(
 
 
 def decode_gemm_applies(x: torch.Tensor, weight: torch.Tensor, splits: int) -> bool:
-    """Whether `decode_linear` runs this product: CUDA with TMA (Hopper), <= 32 rows, weight stored transposed
-    (a view of a contiguous [K, N]) with N and K multiples of the tiles."""
+    """Whether `decode_linear` runs this product: CUDA with TMA (Hopper), <= 32 rows of a 16-bit dtype, weight
+    stored transposed (a view of a contiguous [K, N]) with N and K multiples of the tiles."""
     if not (ENABLED and TensorDescriptor is not None and x.is_cuda and has_pdl(x.device)):
         return False
     rows, k = x.shape
@@ -73,6 +73,7 @@ def decode_gemm_applies(x: torch.Tensor, weight: torch.Tensor, splits: int) -> b
         and weight.shape[0] % tiles.block_n == 0
         and k % (splits * tiles.block_k) == 0
         and x.dtype == weight.dtype
+        and x.dtype in (torch.bfloat16, torch.float16)  # float32 would multiply in TF32 on the tensor cores
     )
 
 
