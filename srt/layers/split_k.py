@@ -1,10 +1,11 @@
 """Decode-sized projections whose output goes straight into a residual add + norm, as K-split partial sums.
 
 cuBLAS runs E4B's down projection (K = 10240) at decode sizes as a split-K GEMM followed by a reduction
-kernel. Here the GEMM is a batched one over SPLITS K-chunks writing float32 partial sums, [SPLITS, T, N], and
+kernel. Here the GEMM writes float32 partial sums over K-chunks, [splits, T, N]: the chained Triton GEMM's
+TRITON_SPLITS where it applies (`decode_gemm.py`, Hopper), else cuBLAS's batched GEMM over SPLITS; and
 the add + norm kernel that reads the output (`fused_kernels.add_rms_norm`) sums them, in split order, and
 rounds the sum to the activation dtype as the GEMM would have: the same values up to float32 summation
-order, one launch less. On an H100 (bench/bench_gemm_layouts.py, E4B) the batched GEMM alone takes 21.3 us where
+order, one launch less. On an H100 (bench/bench_gemm_layouts.py, E4B) cuBLAS's batched GEMM alone takes 21.3 us where
 cuBLAS's GEMM + reduction take 24.0 at 32 rows (down), 10.7 vs 12.7 (o of full layers), 6.9 vs 6.9 (o of
 sliding layers); at 1 row 20.9 vs 22.1, 10.1 vs 12.2, 6.5 vs 6.6.
 """
