@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from srt.layers.decode_gemm import decode_gemm_applies, decode_linear  # noqa: E402
+from srt.layers.decode_gemm import GATED, decode_gelu_mlp, decode_gemm_applies, decode_linear  # noqa: E402
 from srt.layers.fused_kernels import (  # noqa: E402
     add_rms_norm,
     add_rms_norm_reference,
@@ -134,6 +134,23 @@ def test_rms_norm_rope_kernel(
     assert (got == oracle).float().mean() >= 0.95
     # torch's op-by-op bf16 rounds y*cos, rotated*sin and their sum: a couple of ulps from the single rounding
     assert_within_ulps(got, expected, magnitude, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rope_of_split_k_partials(dtype: torch.dtype) -> None:
+    """x as float32 K-split partial sums [splits, tokens, heads, dim] (the chained decode GEMM's output): summed
+    in split order and rounded to cos's dtype, then normed and roped as the rounded projection would be."""
+    generator = torch.Generator().manual_seed(5)
+    partials = torch.randn(3, 4, 2, 32, generator=generator).to(DEVICE)
+    weight = random_weight(32, generator).to(DEVICE, dtype)
+    cos, sin = cos_sin(4, 32, dtype)
+    x = sum_partials(partials, dtype)
+    got = rms_norm_rope(partials, weight, cos, sin, EPS, use_triton=True)
+    assert got.dtype == dtype and torch.equal(got, rms_norm_rope(x, weight, cos, sin, EPS, use_triton=True))
+    reference = rms_norm_rope(partials.cpu(), weight.cpu(), cos.cpu(), sin.cpu(), EPS)  # the CPU default
+    assert torch.equal(reference, rms_norm_rope_reference(x.cpu(), weight.cpu(), cos.cpu(), sin.cpu(), EPS))
+    with pytest.raises(ValueError, match="float32"):
+        rms_norm_rope(partials.bfloat16(), weight, cos, sin, EPS)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -254,30 +271,44 @@ def test_linear_partials_on_gpu_sum_to_the_product(rows: int) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 5, 32])
 def test_decode_linear_matches_cublas(rows: int) -> None:
-    """The chained Triton GEMM against F.linear, at E4B's gate_up shape (one chunk, bf16 out) and its o shape
-    (four float32 partial sums), inside a CUDA graph behind a kernel that writes its input."""
+    """The chained Triton GEMM against F.linear, at E4B's gate_up shape (one chunk, bf16 out; and with gelu * up
+    in its epilogue), its o and qkv shapes (four float32 partial sums) and down's, inside a CUDA graph behind a
+    kernel that writes its input."""
     if not decode_gemm_applies(
         torch.empty(1, 2560, device="cuda").bfloat16(),
         torch.empty(256, 2560, device="cuda").bfloat16().t().contiguous().t(),
         1,
     ):
         pytest.skip("needs TMA (Hopper) and Triton's tensor descriptors")
-    for n, k, splits in ((20480, 2560, 1), (2560, 2048, 4)):
+    for n, k, splits in ((20480, 2560, 1), (20480, 2560, GATED), (2560, 2048, 4), (3072, 2560, 4), (2560, 10240, 4)):
         x = torch.randn(rows, k, device="cuda").bfloat16()
         weight = (torch.randn(k, n, device="cuda") / 50).bfloat16().t()
         assert decode_gemm_applies(x, weight, splits)
         source = torch.zeros_like(x)
+
+        def run(splits=splits, weight=weight, source=source) -> torch.Tensor:
+            # the multiply: a kernel ahead writes the input
+            if splits == GATED:
+                return decode_gelu_mlp(source * 1, weight)
+            return decode_linear(source * 1, weight, splits)
+
+        run()  # compiles
         graph = torch.cuda.CUDAGraph()
-        decode_linear(source * 1, weight, splits)  # compiles
         with torch.cuda.graph(graph):
-            out = decode_linear(source * 1, weight, splits)  # the multiply: a kernel ahead writes the input
+            out = run()
         source.copy_(x)
         graph.replay()
-        expected = F.linear(x, weight).float()
-        got = out.float() if splits == 1 else out.sum(0)
-        assert out.dtype == (torch.bfloat16 if splits == 1 else torch.float32)
+        product = F.linear(x, weight)
+        if splits == GATED:  # the same rounded products go into the same gelu * up math
+            assert out.dtype == torch.bfloat16
+            expected = gelu_tanh_mul_packed(product).float()
+            got = out.float()
+        else:
+            expected = product.float()
+            got = out.float() if splits == 1 else out.sum(0)
+            assert out.dtype == (torch.bfloat16 if splits == 1 else torch.float32)
         error = (got - expected).abs().max() / expected.abs().max()
-        assert error < 1e-2, error
+        assert error < 1e-2, (n, k, splits, error)
 
 
 def test_add_rms_norm_float32_scale_keeps_the_dtype() -> None:

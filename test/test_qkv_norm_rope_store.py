@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from srt.layers.fused_kernels import sum_partials  # noqa: E402
 from srt.layers.layernorm import RMSNorm  # noqa: E402
 from srt.layers.qkv_norm_rope_store import QKVLayout, qkv_norm_rope_store, qkv_norm_rope_store_reference  # noqa: E402
 from srt.mem_cache.kv_pool import KVCacheTarget  # noqa: E402
@@ -45,16 +46,24 @@ def _target(rows: int, layout: QKVLayout, dtype: torch.dtype, sliding: bool) -> 
     return KVCacheTarget(k_buffer, v_buffer, full_to_swa)
 
 
-def _run_both(layout: QKVLayout, tokens: int, dtype: torch.dtype, sliding: bool, use_triton: bool | None):
+def _run_both(
+    layout: QKVLayout, tokens: int, dtype: torch.dtype, sliding: bool, use_triton: bool | None, splits: int = 0
+):
+    """(kernel's q, target), (reference's q, target); with `splits`, the kernel reads the projection as that
+    many float32 partial sums and the reference their rounded sum."""
     generator = torch.Generator().manual_seed(tokens + layout.head_dim)
-    qkv = (3 * torch.randn(tokens, sum(layout.sizes), generator=generator)).to(DEVICE, dtype)
+    if splits:
+        qkv = torch.randn(splits, tokens, sum(layout.sizes), generator=generator).to(DEVICE)
+        want_qkv = sum_partials(qkv, dtype)
+    else:
+        qkv = want_qkv = (3 * torch.randn(tokens, sum(layout.sizes), generator=generator)).to(DEVICE, dtype)
     norms = _norms(layout.head_dim, generator)
     cos, sin = _cos_sin(tokens, layout.head_dim, dtype)
     slots = torch.randperm(17, generator=generator)[:tokens].to(DEVICE) + 1
     got_target, want_target = _target(19, layout, dtype, sliding), _target(19, layout, dtype, sliding)
     with torch.no_grad():  # as the model runs
         got = qkv_norm_rope_store(qkv, layout, *norms, cos, sin, got_target, slots, use_triton=use_triton)
-        want = qkv_norm_rope_store_reference(qkv, layout, *norms, cos, sin, want_target, slots)
+        want = qkv_norm_rope_store_reference(want_qkv, layout, *norms, cos, sin, want_target, slots)
     return (got, got_target), (want, want_target)
 
 
@@ -80,6 +89,19 @@ def test_kernel_matches_the_op_by_op_path(dtype: torch.dtype, sliding: bool, k_e
     _assert_close(target.k_buffer, want_target.k_buffer)
     _assert_close(target.v_buffer, want_target.v_buffer)
     assert (target.k_buffer != 7.0).any(dim=(1, 2)).sum() == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_partial_sums_of_the_projection(dtype: torch.dtype, use_triton: bool) -> None:
+    """The chained decode GEMM hands over float32 K-chunk partial sums: summed in split order and rounded to the
+    activation dtype, they give what the rounded projection gives (kernel and CPU path)."""
+    layout = QKVLayout(num_heads=4, num_kv_heads=2, head_dim=16, k_eq_v=False)
+    (q, target), (want_q, want_target) = _run_both(layout, 5, dtype, True, use_triton, splits=3)
+    assert q.dtype == dtype
+    _assert_close(q, want_q)
+    _assert_close(target.k_buffer, want_target.k_buffer)
+    _assert_close(target.v_buffer, want_target.v_buffer)
 
 
 def test_no_tokens_writes_nothing() -> None:

@@ -8,7 +8,13 @@ cuBLAS on their own (bench/bench_tma_gemm.py: gate_up 39.0 vs 38.9 us, down 21.7
 
 `decode_linear(x, weight, splits)`: with splits == 1 the product in x's dtype (rounded once from float32);
 with more, [splits, rows, N] float32 partial sums over K-chunks, the form `fused_kernels.add_rms_norm` sums
-(as `split_k.linear_partials`). SRT_TRITON_GEMM=0 leaves every projection to cuBLAS (A/B runs).
+(as `split_k.linear_partials`). `decode_gelu_mlp(x, gate_up_weight)`: the MLP's gelu(gate) * up straight
+from the stacked gate/up weight, each CTA multiplying a gate block and the matching up block and applying
+`gelu_tanh_mul_rounded` to the two rounded products, so no [rows, 2 * intermediate] tensor and no gelu
+launch. SRT_TRITON_GEMM=0 leaves every projection to cuBLAS (A/B runs).
+
+Before its wait a CTA also starts moving the first SRT_GEMM_PREFETCH bytes of its weight slice into L2
+(`triton_support.prefetch_l2`): the kernel ahead is usually latency bound, leaving HBM idle.
 """
 
 from __future__ import annotations
@@ -18,7 +24,18 @@ from typing import NamedTuple
 
 import torch
 
-from srt.layers.triton_support import has_pdl, jit, pdl_launch, pdl_start, tl, triton
+from srt.layers.gelu_kernels import gelu_tanh_mul_rounded
+from srt.layers.triton_support import (
+    has_pdl,
+    jit,
+    l2_prefetch_bytes,
+    pdl_launch,
+    pdl_start,
+    prefetch_l2,
+    round_to,
+    tl,
+    triton,
+)
 
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -27,6 +44,8 @@ except ImportError:  # older Triton: no host-side TMA descriptors
 
 ENABLED = os.environ.get("SRT_TRITON_GEMM", "1") != "0"
 MAX_ROWS = 32
+PREFETCH_BYTES = l2_prefetch_bytes("SRT_GEMM_PREFETCH", 64 * 1024)
+GATED = "gated"  # the tiles key of `decode_gelu_mlp`
 
 
 class GemmTiles(NamedTuple):
@@ -35,43 +54,70 @@ class GemmTiles(NamedTuple):
     stages: int
 
 
-# H100 sweeps at 32 rows (bench/bench_tma_gemm.py): N-blocks of 128-256 columns, 4 stages of 64-128 K
-TILES = {1: GemmTiles(256, 64, 4), 4: GemmTiles(128, 128, 4)}
+# H100 sweeps at 32 rows (bench/bench_tma_gemm.py): N-blocks of 128-256 columns, 4 stages of 64-128 K; K-chunks
+# under 2048 (o 512, qkv 640) take 64-deep tiles (o 7.04 vs 7.14 us, qkv 8.69 vs 8.97), down's 2560 128-deep
+TILES = {1: GemmTiles(256, 64, 4), 4: GemmTiles(128, 128, 4), GATED: GemmTiles(128, 64, 4)}
+SHORT_CHUNK_TILES = GemmTiles(128, 64, 4)
+
+
+def _tiles(splits: int | str, k: int) -> GemmTiles | None:
+    if splits == 4 and k // 4 < 2048:
+        return SHORT_CHUNK_TILES
+    return TILES.get(splits)
 
 
 @jit
 def _decode_gemm_kernel(
-    x_desc, w_desc, out_ptr, rows, n, k_per_split,
+    x_desc, w_desc, w_ptr, out_ptr, rows, n, k_per_split, up_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    GATED: tl.constexpr, PREFETCH_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    """out[split, :, N-block] = x[:, K-chunk] @ w[K-chunk, N-block], w [K, N] row-major (srt's stored layout)."""
+    """out[split, :, N-block] = x[:, K-chunk] @ w[K-chunk, N-block], w [K, N] row-major (srt's stored layout);
+    GATED: out[:, N-block] = gelu(x @ w[:, N-block]) * (x @ w[:, up_offset + N-block]), rounded as torch."""
     n0 = tl.program_id(0) * BLOCK_N
     split = tl.program_id(1)
+    k_start = split * k_per_split
+    if PREFETCH_ROWS > 0:  # constant weights: on their way into L2 while the kernel ahead finishes
+        prefetch_rows = (k_start + tl.arange(0, PREFETCH_ROWS)).to(tl.int64)
+        row_bytes = BLOCK_N * w_ptr.dtype.element_ty.primitive_bitwidth // 8
+        row_starts = w_ptr + prefetch_rows * (n + up_offset if GATED else n) + n0
+        prefetch_l2(row_starts, row_bytes, prefetch_rows >= 0)
+        if GATED:
+            prefetch_l2(row_starts + up_offset, row_bytes, prefetch_rows >= 0)
     pdl_start(USE_PDL)  # x comes from the kernel ahead
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = split * k_per_split
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in tl.range(k_start, k_start + k_per_split, BLOCK_K, num_stages=STAGES):
-        acc = tl.dot(x_desc.load([0, k]), w_desc.load([k, n0]), acc)
+        x = x_desc.load([0, k])
+        acc = tl.dot(x, w_desc.load([k, n0]), acc)
+        if GATED:
+            acc_up = tl.dot(x, w_desc.load([k, up_offset + n0]), acc_up)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     out = out_ptr + (split * rows + offs_m)[:, None] * n + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m < rows)[:, None])
+    dtype = out_ptr.dtype.element_ty
+    if GATED:  # the GEMM's two rounded outputs, then gelu_tanh_mul's rounding
+        acc = gelu_tanh_mul_rounded(round_to(acc, dtype), round_to(acc_up, dtype), dtype)
+    tl.store(out, acc.to(dtype), mask=(offs_m < rows)[:, None])
 
 
-def decode_gemm_applies(x: torch.Tensor, weight: torch.Tensor, splits: int) -> bool:
-    """Whether `decode_linear` runs this product: CUDA with TMA (Hopper), <= 32 rows of a 16-bit dtype, weight
-    stored transposed (a view of a contiguous [K, N]) with N and K multiples of the tiles."""
+def decode_gemm_applies(x: torch.Tensor, weight: torch.Tensor, splits: int | str) -> bool:
+    """Whether `decode_linear` (splits 1 or 4) or `decode_gelu_mlp` (splits GATED) runs this product: CUDA with
+    TMA (Hopper), <= 32 rows of a 16-bit dtype, weight stored transposed (a view of a contiguous [K, N]) with
+    N (each half of it for GATED) and K multiples of the tiles."""
     if not (ENABLED and TensorDescriptor is not None and x.is_cuda and has_pdl(x.device)):
         return False
     rows, k = x.shape
-    tiles = TILES.get(splits)
+    tiles = _tiles(splits, k)
+    if tiles is None:
+        return False
+    n = weight.shape[0] // 2 if splits == GATED else weight.shape[0]
+    chunks = 1 if splits == GATED else splits
     return (
-        tiles is not None
-        and 0 < rows <= MAX_ROWS
+        0 < rows <= MAX_ROWS
         and weight.t().is_contiguous()
-        and weight.shape[0] % tiles.block_n == 0
-        and k % (splits * tiles.block_k) == 0
+        and n % tiles.block_n == 0
+        and k % (chunks * tiles.block_k) == 0
         and x.dtype == weight.dtype
         and x.dtype in (torch.bfloat16, torch.float16)  # float32 would multiply in TF32 on the tensor cores
     )
@@ -80,19 +126,38 @@ def decode_gemm_applies(x: torch.Tensor, weight: torch.Tensor, splits: int) -> b
 def decode_linear(x: torch.Tensor, weight: torch.Tensor, splits: int = 1) -> torch.Tensor:
     """x @ weight^T for x [rows, K] and an nn.Linear weight [N, K] stored transposed: [rows, N] in x's dtype
     (splits == 1) or [splits, rows, N] float32 partial sums. Call only where `decode_gemm_applies`."""
-    x = x.contiguous()
-    rows, k = x.shape
-    n = weight.shape[0]
-    tiles = TILES[splits]
-    block_m = max(16, triton.next_power_of_2(rows))
+    rows, n = x.shape[0], weight.shape[0]
     shape = (rows, n) if splits == 1 else (splits, rows, n)
     out = torch.empty(shape, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    _launch(x, weight, out, splits, n, _tiles(splits, x.shape[1]), gated=False)
+    return out
+
+
+def decode_gelu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(x @ gate^T) * (x @ up^T) [rows, I] in x's dtype, for the stacked [2I, K] gate/up weight stored
+    transposed; the values of `gelu_tanh_mul_packed(decode_linear(x, gate_up_weight))`. Call only where
+    `decode_gemm_applies(x, gate_up_weight, GATED)`."""
+    rows, n = x.shape[0], gate_up_weight.shape[0] // 2
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    _launch(x, gate_up_weight, out, 1, n, TILES[GATED], gated=True)
+    return out
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: int, n: int, tiles: GemmTiles,
+            gated: bool) -> None:  # fmt: skip
+    x = x.contiguous()
+    rows, k = x.shape
+    k_per_split = k // splits
+    block_m = max(16, triton.next_power_of_2(rows))
+    weight_kn = weight.t()
+    row_bytes = tiles.block_n * weight.element_size() * (2 if gated else 1)
+    wanted_rows = min(k_per_split, PREFETCH_BYTES // row_bytes)
+    prefetch_rows = 1 << (wanted_rows.bit_length() - 1) if wanted_rows else 0  # tl.arange: a power of two
     x_desc = TensorDescriptor.from_tensor(x, [block_m, tiles.block_k])
-    w_desc = TensorDescriptor.from_tensor(weight.t(), [tiles.block_k, tiles.block_n])
+    w_desc = TensorDescriptor.from_tensor(weight_kn, [tiles.block_k, tiles.block_n])
     launch = pdl_launch(x.device, _decode_gemm_kernel)
     _decode_gemm_kernel[(n // tiles.block_n, splits)](
-        x_desc, w_desc, out, rows, n, k // splits,
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, STAGES=tiles.stages,
-        USE_PDL=bool(launch), num_warps=4, **launch,
+        x_desc, w_desc, weight_kn, out, rows, n, k_per_split, n if gated else 0,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, STAGES=tiles.stages, GATED=gated,
+        PREFETCH_ROWS=prefetch_rows if launch else 0, USE_PDL=bool(launch), num_warps=4, **launch,
     )  # fmt: skip
-    return out

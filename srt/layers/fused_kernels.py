@@ -51,22 +51,35 @@ def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, eps: float
 
 
 @jit
+def load_summed(ptrs, split_stride, SPLITS: tl.constexpr, dtype: tl.constexpr):
+    """float32 values at `ptrs`; with SPLITS > 1, float32 K-split partial sums (`split_k.linear_partials`)
+    `split_stride` elements apart, summed in split order and rounded to `dtype` as the GEMM rounds."""
+    x = tl.load(ptrs).to(tl.float32)
+    if SPLITS > 1:
+        for split in tl.static_range(1, SPLITS):
+            x += tl.load(ptrs + split * split_stride)
+        x = round_to(x, dtype)
+    return x
+
+
+@jit
 def norm_rope_head(
-    x_row, weight_ptr, cos_row, sin_row, eps, dtype: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr,
+    x_row, split_stride, weight_ptr, cos_row, sin_row, eps, dtype: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROPE: tl.constexpr, SPLITS: tl.constexpr,
 ):  # fmt: skip
     """One head's RMSNorm (rounded to `dtype`, as RMSNorm returns it), then RoPE in float32 rounded once;
-    float32 values of `dtype`. rotate_half pairs column c with (c + HEAD_DIM/2) % HEAD_DIM, loaded a second
-    time (an L1 hit) rather than shuffled in registers."""
+    float32 values of `dtype`. x is the projection's output or its SPLITS partial sums (`load_summed`).
+    rotate_half pairs column c with (c + HEAD_DIM/2) % HEAD_DIM, loaded a second time (an L1 hit) rather
+    than shuffled in registers."""
     HALF: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, HEAD_DIM)
     partner = (cols + HALF) % HEAD_DIM
     # every load before the reduction, so that none waits on it
-    x = tl.load(x_row + cols).to(tl.float32)
+    x = load_summed(x_row + cols, split_stride, SPLITS, dtype)
     if HAS_WEIGHT:
         weight = tl.load(weight_ptr + cols).to(tl.float32)
     if ROPE:
-        x_partner = tl.load(x_row + partner).to(tl.float32)
+        x_partner = load_summed(x_row + partner, split_stride, SPLITS, dtype)
         cos = tl.load(cos_row + cols).to(tl.float32)
         sin = tl.load(sin_row + cols).to(tl.float32)
         if HAS_WEIGHT:
@@ -89,8 +102,9 @@ def norm_rope_head(
 @jit
 def _rms_norm_rope_kernel(
     x_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr,
-    stride_x_tok, stride_x_head, stride_cos_tok, stride_sin_tok, stride_out_tok, stride_out_head, eps,
-    HEAD_DIM: tl.constexpr, HAS_WEIGHT: tl.constexpr, USE_PDL: tl.constexpr,
+    stride_x_split, stride_x_tok, stride_x_head, stride_cos_tok, stride_sin_tok, stride_out_tok, stride_out_head,
+    eps,
+    HEAD_DIM: tl.constexpr, HAS_WEIGHT: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_start(USE_PDL)
     # one program per (token, head)
@@ -98,8 +112,8 @@ def _rms_norm_rope_kernel(
     head = tl.program_id(1)
     dtype = out_ptr.dtype.element_ty
     out = norm_rope_head(
-        x_ptr + tok * stride_x_tok + head * stride_x_head, weight_ptr, cos_ptr + tok * stride_cos_tok,
-        sin_ptr + tok * stride_sin_tok, eps, dtype, HEAD_DIM, HAS_WEIGHT, True,
+        x_ptr + tok * stride_x_tok + head * stride_x_head, stride_x_split, weight_ptr, cos_ptr + tok * stride_cos_tok,
+        sin_ptr + tok * stride_sin_tok, eps, dtype, HEAD_DIM, HAS_WEIGHT, True, SPLITS,
     )  # fmt: skip
     cols = tl.arange(0, HEAD_DIM)
     tl.store(out_ptr + tok * stride_out_tok + head * stride_out_head + cols, out.to(dtype))
@@ -126,23 +140,29 @@ def rms_norm_rope(
     """RMSNorm over head_dim, then rotate-half RoPE: a new contiguous [tokens, heads, head_dim] in x's dtype.
 
     x: [tokens, heads, head_dim], any float dtype, any strides with a contiguous last dim (e.g. a split of the
-    fused qkv GEMM viewed per head); head_dim a power of two. weight: [head_dim] or None (scale-free norm).
-    cos, sin: [tokens, head_dim] in x's dtype. The norm output is rounded to x's dtype before RoPE; the
-    fused RoPE then rounds once from float32 (see the module docstring).
+    fused qkv GEMM viewed per head); or [splits, tokens, heads, head_dim] float32 partial sums of a split-K
+    projection (`split_k.linear_partials`), summed and rounded to cos's dtype first. head_dim a power of two.
+    weight: [head_dim] or None (scale-free norm). cos, sin: [tokens, head_dim] in x's dtype (the activation
+    dtype). The norm output is rounded to that dtype before RoPE; the fused RoPE then rounds once from float32
+    (see the module docstring).
     """
+    partials = x.dim() == 4
+    if partials and x.dtype != torch.float32:
+        raise ValueError(f"rms_norm_rope: partial sums come in float32, got {x.dtype}")
     if not runs_triton(x.device, use_triton, _rms_norm_rope_kernel):
-        return rms_norm_rope_reference(x, weight, cos, sin, eps)
-    tokens, heads, dim = x.shape
+        return rms_norm_rope_reference(sum_partials(x, cos.dtype) if partials else x, weight, cos, sin, eps)
+    tokens, heads, dim = x.shape[-3:]
     if dim & (dim - 1):
         raise ValueError(f"rms_norm_rope needs a power-of-two head_dim, got {dim}")
     x, cos, sin = last_dim_contiguous(x), last_dim_contiguous(cos), last_dim_contiguous(sin)
-    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    out = torch.empty((tokens, heads, dim), dtype=cos.dtype if partials else x.dtype, device=x.device)
     if tokens and heads:
         launch = pdl_launch(x.device, _rms_norm_rope_kernel)
         _rms_norm_rope_kernel[(tokens, heads)](
             x, weight if weight is not None else x, cos, sin, out,
-            x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), out.stride(0), out.stride(1), eps,
-            HEAD_DIM=dim, HAS_WEIGHT=weight is not None, USE_PDL=bool(launch),
+            x.stride(0) if partials else 0, x.stride(-3), x.stride(-2), cos.stride(0), sin.stride(0),
+            out.stride(0), out.stride(1), eps,
+            HEAD_DIM=dim, HAS_WEIGHT=weight is not None, SPLITS=x.shape[0] if partials else 1, USE_PDL=bool(launch),
             num_warps=max(1, min(4, dim // 128)), **launch,
         )  # fmt: skip
     return out

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.layers.fused_kernels import norm_rope_head, rms_norm_rope
+from srt.layers.fused_kernels import norm_rope_head, rms_norm_rope, sum_partials
 from srt.layers.layernorm import RMSNorm
 from srt.layers.triton_support import jit, last_dim_contiguous, pdl_launch, pdl_start, runs_triton, tl
 from srt.mem_cache.allocator import debug_kv_indices
@@ -49,10 +49,10 @@ class QKVLayout:
 def _qkv_norm_rope_store_kernel(
     qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, slots_ptr, full_to_swa_ptr,
     q_out_ptr, k_buffer_ptr, v_buffer_ptr,
-    stride_qkv, stride_cos, stride_sin, stride_q_tok, stride_q_head, stride_k_row, stride_k_head,
+    stride_split, stride_qkv, stride_cos, stride_sin, stride_q_tok, stride_q_head, stride_k_row, stride_k_head,
     stride_v_row, stride_v_head, q_eps, k_eps, v_eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, K_EQ_V: tl.constexpr,
-    SLIDING: tl.constexpr, USE_PDL: tl.constexpr,
+    SLIDING: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_start(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -60,11 +60,13 @@ def _qkv_norm_rope_store_kernel(
     qkv_row = qkv_ptr + tok * stride_qkv
     cos_row = cos_ptr + tok * stride_cos
     sin_row = sin_ptr + tok * stride_sin
-    dtype = qkv_ptr.dtype.element_ty
+    dtype = q_out_ptr.dtype.element_ty  # the activation dtype (qkv may be float32 partial sums)
     cols = tl.arange(0, HEAD_DIM)
     if slot < NUM_HEADS:
         q_row = qkv_row + slot * HEAD_DIM
-        q = norm_rope_head(q_row, q_weight_ptr, cos_row, sin_row, q_eps, dtype, HEAD_DIM, True, True)
+        q = norm_rope_head(
+            q_row, stride_split, q_weight_ptr, cos_row, sin_row, q_eps, dtype, HEAD_DIM, True, True, SPLITS
+        )
         tl.store(q_out_ptr + tok * stride_q_tok + slot * stride_q_head + cols, q.to(dtype))
     else:
         row = tl.load(slots_ptr + tok).to(tl.int64)
@@ -73,14 +75,18 @@ def _qkv_norm_rope_store_kernel(
         if slot < NUM_HEADS + NUM_KV_HEADS:
             head = slot - NUM_HEADS
             k_row = qkv_row + slot * HEAD_DIM
-            k = norm_rope_head(k_row, k_weight_ptr, cos_row, sin_row, k_eps, dtype, HEAD_DIM, True, True)
+            k = norm_rope_head(
+                k_row, stride_split, k_weight_ptr, cos_row, sin_row, k_eps, dtype, HEAD_DIM, True, True, SPLITS
+            )
             k_dst = k_buffer_ptr + row * stride_k_row + head * stride_k_head + cols
             tl.store(k_dst, k.to(k_buffer_ptr.dtype.element_ty))
         else:
             head = slot - NUM_HEADS - NUM_KV_HEADS
             source = NUM_HEADS + head if K_EQ_V else slot
             v_row = qkv_row + source * HEAD_DIM
-            v = norm_rope_head(v_row, v_buffer_ptr, cos_row, sin_row, v_eps, dtype, HEAD_DIM, False, False)
+            v = norm_rope_head(
+                v_row, stride_split, v_buffer_ptr, cos_row, sin_row, v_eps, dtype, HEAD_DIM, False, False, SPLITS
+            )
             v_dst = v_buffer_ptr + row * stride_v_row + head * stride_v_head + cols
             tl.store(v_dst, v.to(v_buffer_ptr.dtype.element_ty))
 
@@ -123,21 +129,27 @@ def qkv_norm_rope_store(
     """q [tokens, heads, head_dim] normed and roped; k (normed, roped) and v (scale-free norm) of the new
     tokens written to `target` at the rows of their full-pool `slots` [tokens] (int64).
 
-    qkv: [tokens, sum(layout.sizes)] with a contiguous last dim; cos, sin: [tokens, head_dim] in qkv's dtype.
-    v_norm is scale-free. `use_triton` as in fused_kernels: None runs Triton on CUDA and the reference
-    elsewhere.
+    qkv: [tokens, sum(layout.sizes)] with a contiguous last dim, or the projection's [splits, tokens, ...]
+    float32 partial sums (`split_k.linear_partials`), summed and rounded to cos's dtype first; cos, sin:
+    [tokens, head_dim] in the activation dtype. v_norm is scale-free. `use_triton` as in fused_kernels: None
+    runs Triton on CUDA and the reference elsewhere.
     """
-    tokens, dim = qkv.shape[0], layout.head_dim
+    partials = qkv.dim() == 3
+    tokens, dim = qkv.shape[-2], layout.head_dim
     if qkv.shape[-1] != sum(layout.sizes):
         raise ValueError(f"qkv has {qkv.shape[-1]} columns; the layout needs {sum(layout.sizes)}")
+    if partials and qkv.dtype != torch.float32:
+        raise ValueError(f"qkv_norm_rope_store: partial sums come in float32, got {qkv.dtype}")
     if not runs_triton(qkv.device, use_triton, _qkv_norm_rope_store_kernel):
+        if partials:
+            qkv = sum_partials(qkv, cos.dtype)
         return qkv_norm_rope_store_reference(qkv, layout, q_norm, k_norm, v_norm, cos, sin, target, slots)
     if v_norm.with_scale:
         raise ValueError("qkv_norm_rope_store: Gemma 4's v norm is scale-free")
     if dim & (dim - 1):
         raise ValueError(f"qkv_norm_rope_store needs a power-of-two head_dim, got {dim}")
     qkv, cos, sin = last_dim_contiguous(qkv), last_dim_contiguous(cos), last_dim_contiguous(sin)
-    q = torch.empty((tokens, layout.num_heads, dim), dtype=qkv.dtype, device=qkv.device)
+    q = torch.empty((tokens, layout.num_heads, dim), dtype=cos.dtype if partials else qkv.dtype, device=qkv.device)
     k_buffer, v_buffer = target.k_buffer, target.v_buffer
     # the kernel trusts these shapes and strides with raw pointers: a mismatch would write anywhere
     head_shape = (layout.num_kv_heads, dim)
@@ -153,9 +165,11 @@ def qkv_norm_rope_store(
         _qkv_norm_rope_store_kernel[(tokens, layout.num_heads + 2 * layout.num_kv_heads)](
             qkv, q_norm.weight, k_norm.weight, cos, sin, slots, target.full_to_swa if sliding else slots,
             q, k_buffer, v_buffer,
-            qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1), k_buffer.stride(0),
-            k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1), q_norm.eps, k_norm.eps, v_norm.eps,
+            qkv.stride(0) if partials else 0, qkv.stride(-2), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
+            k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
+            q_norm.eps, k_norm.eps, v_norm.eps,
             NUM_HEADS=layout.num_heads, NUM_KV_HEADS=layout.num_kv_heads, HEAD_DIM=dim, K_EQ_V=layout.k_eq_v,
-            SLIDING=sliding, USE_PDL=bool(launch), num_warps=max(1, min(4, dim // 128)), **launch,
+            SLIDING=sliding, SPLITS=qkv.shape[0] if partials else 1, USE_PDL=bool(launch),
+            num_warps=max(1, min(4, dim // 128)), **launch,
         )  # fmt: skip
     return q

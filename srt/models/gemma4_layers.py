@@ -13,7 +13,7 @@ from torch import nn
 
 from srt.configs.model_config import AttentionLayerSpec, ModelConfig
 from srt.layers.attention.base import AttentionBackend
-from srt.layers.decode_gemm import decode_gemm_applies, decode_linear
+from srt.layers.decode_gemm import GATED, decode_gelu_mlp, decode_gemm_applies, decode_linear
 from srt.layers.fused_kernels import add_rms_norm, add_rms_norm_then_norm, rms_norm_rope
 from srt.layers.gelu_kernels import gelu_tanh_mul_packed
 from srt.layers.layernorm import RMSNorm
@@ -21,7 +21,7 @@ from srt.layers.moe.experts import Experts
 from srt.layers.moe.router import Router
 from srt.layers.ple_kernels import per_layer_input_projection
 from srt.layers.qkv_norm_rope_store import QKVLayout, qkv_norm_rope_store
-from srt.layers.split_k import linear_partials
+from srt.layers.split_k import TRITON_SPLITS, linear_partials
 from srt.model_executor.forward_batch import ForwardBatch
 
 
@@ -56,6 +56,14 @@ def store_transposed(module: nn.Linear | nn.Embedding) -> None:
     """`module`'s 2-D weight, same values and shape, as a view of its contiguous transpose (no copy when it is
     one already)."""
     module.weight = nn.Parameter(module.weight.t().contiguous().t())
+
+
+def project(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """x @ W^T for a projection that a norm kernel reads next: at decode sizes on Hopper the chained Triton
+    GEMM's float32 K-chunk partial sums ([splits, rows, N], summed by that kernel), else the plain product."""
+    if decode_gemm_applies(x, linear.weight, TRITON_SPLITS):
+        return decode_linear(x, linear.weight, TRITON_SPLITS)
+    return linear(x)
 
 
 class Gemma4Attention(nn.Module):
@@ -99,12 +107,14 @@ class Gemma4Attention(nn.Module):
         tokens, dim = hidden.shape[0], self.spec.head_dim
         cos, sin = cos_sin
         if not self.spec.owns_kv:
-            q = rms_norm_rope(self.q_proj(hidden).view(tokens, -1, dim), self.q_norm.weight, cos, sin, self.q_norm.eps)
+            q = rms_norm_rope(
+                project(hidden, self.q_proj).unflatten(-1, (-1, dim)), self.q_norm.weight, cos, sin, self.q_norm.eps
+            )
         elif self.qkv_proj is None:
             raise RuntimeError("Gemma4Attention runs after fuse_projections() (load_model calls it)")
         else:  # norms, RoPE and the K/V cache write in one kernel on GPU; the attention then reads the cache only
             q = qkv_norm_rope_store(
-                self.qkv_proj(hidden),
+                project(hidden, self.qkv_proj),
                 self.layout,
                 self.q_norm,
                 self.k_norm,
@@ -137,11 +147,12 @@ class Gemma4MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             raise RuntimeError("Gemma4MLP runs after fuse_projections() (load_model calls it)")
-        # cuBLAS on the transposed weight, then gelu * up: a Triton GEMV with it folded in (skinny_gemm.py until
-        # the 14th session) was slower on this layout
         weight = self.gate_up_proj.weight
-        gate_up = decode_linear(x, weight) if decode_gemm_applies(x, weight, 1) else self.gate_up_proj(x)
-        return linear_partials(gelu_tanh_mul_packed(gate_up), self.down_proj.weight)
+        if decode_gemm_applies(x, weight, GATED):  # decode: gelu * up in the GEMM's epilogue
+            gated = decode_gelu_mlp(x, weight)
+        else:
+            gated = gelu_tanh_mul_packed(self.gate_up_proj(x))
+        return linear_partials(gated, self.down_proj.weight)
 
 
 class Gemma4DecoderLayer(nn.Module):
