@@ -12,9 +12,6 @@ with more, [splits, rows, N] float32 partial sums over K-chunks, the form `fused
 from the stacked gate/up weight, each CTA multiplying a gate block and the matching up block and applying
 `gelu_tanh_mul_rounded` to the two rounded products, so no [rows, 2 * intermediate] tensor and no gelu
 launch. SRT_TRITON_GEMM=0 leaves every projection to cuBLAS (A/B runs).
-
-Before its wait a CTA also starts moving the first SRT_GEMM_PREFETCH bytes of its weight slice into L2
-(`triton_support.prefetch_l2`): the kernel ahead is usually latency bound, leaving HBM idle.
 """
 
 from __future__ import annotations
@@ -28,10 +25,8 @@ from srt.layers.gelu_kernels import gelu_tanh_mul_rounded
 from srt.layers.triton_support import (
     has_pdl,
     jit,
-    l2_prefetch_bytes,
     pdl_launch,
     pdl_start,
-    prefetch_l2,
     round_to,
     tl,
     triton,
@@ -44,7 +39,6 @@ except ImportError:  # older Triton: no host-side TMA descriptors
 
 ENABLED = os.environ.get("SRT_TRITON_GEMM", "1") != "0"
 MAX_ROWS = 32
-PREFETCH_BYTES = l2_prefetch_bytes("SRT_GEMM_PREFETCH", 64 * 1024)
 GATED = "gated"  # the tiles key of `decode_gelu_mlp`
 
 
@@ -52,6 +46,7 @@ class GemmTiles(NamedTuple):
     block_n: int
     block_k: int
     stages: int
+    warps: int = 4
 
 
 # H100 sweeps at 32 rows (bench/bench_tma_gemm.py): N-blocks of 128-256 columns, 4 stages of 64-128 K; K-chunks
@@ -68,22 +63,15 @@ def _tiles(splits: int | str, k: int) -> GemmTiles | None:
 
 @jit
 def _decode_gemm_kernel(
-    x_desc, w_desc, w_ptr, out_ptr, rows, n, k_per_split, up_offset,
+    x_desc, w_desc, out_ptr, rows, n, k_per_split, up_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-    GATED: tl.constexpr, PREFETCH_ROWS: tl.constexpr, USE_PDL: tl.constexpr,
+    GATED: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """out[split, :, N-block] = x[:, K-chunk] @ w[K-chunk, N-block], w [K, N] row-major (srt's stored layout);
     GATED: out[:, N-block] = gelu(x @ w[:, N-block]) * (x @ w[:, up_offset + N-block]), rounded as torch."""
     n0 = tl.program_id(0) * BLOCK_N
     split = tl.program_id(1)
     k_start = split * k_per_split
-    if PREFETCH_ROWS > 0:  # constant weights: on their way into L2 while the kernel ahead finishes
-        prefetch_rows = (k_start + tl.arange(0, PREFETCH_ROWS)).to(tl.int64)
-        row_bytes = BLOCK_N * w_ptr.dtype.element_ty.primitive_bitwidth // 8
-        row_starts = w_ptr + prefetch_rows * (n + up_offset if GATED else n) + n0
-        prefetch_l2(row_starts, row_bytes, prefetch_rows >= 0)
-        if GATED:
-            prefetch_l2(row_starts + up_offset, row_bytes, prefetch_rows >= 0)
     pdl_start(USE_PDL)  # x comes from the kernel ahead
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -123,23 +111,26 @@ def decode_gemm_applies(x: torch.Tensor, weight: torch.Tensor, splits: int | str
     )
 
 
-def decode_linear(x: torch.Tensor, weight: torch.Tensor, splits: int = 1) -> torch.Tensor:
+def decode_linear(
+    x: torch.Tensor, weight: torch.Tensor, splits: int = 1, tiles: GemmTiles | None = None
+) -> torch.Tensor:
     """x @ weight^T for x [rows, K] and an nn.Linear weight [N, K] stored transposed: [rows, N] in x's dtype
-    (splits == 1) or [splits, rows, N] float32 partial sums. Call only where `decode_gemm_applies`."""
+    (splits == 1) or [splits, rows, N] float32 partial sums. Call only where `decode_gemm_applies`; `tiles`
+    overrides srt's (bench/tune_decode_gemm.py)."""
     rows, n = x.shape[0], weight.shape[0]
     shape = (rows, n) if splits == 1 else (splits, rows, n)
     out = torch.empty(shape, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-    _launch(x, weight, out, splits, n, _tiles(splits, x.shape[1]), gated=False)
+    _launch(x, weight, out, splits, n, tiles or _tiles(splits, x.shape[1]), gated=False)
     return out
 
 
-def decode_gelu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+def decode_gelu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, tiles: GemmTiles | None = None) -> torch.Tensor:
     """gelu_tanh(x @ gate^T) * (x @ up^T) [rows, I] in x's dtype, for the stacked [2I, K] gate/up weight stored
     transposed; the values of `gelu_tanh_mul_packed(decode_linear(x, gate_up_weight))`. Call only where
-    `decode_gemm_applies(x, gate_up_weight, GATED)`."""
+    `decode_gemm_applies(x, gate_up_weight, GATED)`; `tiles` as in `decode_linear`."""
     rows, n = x.shape[0], gate_up_weight.shape[0] // 2
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    _launch(x, gate_up_weight, out, 1, n, TILES[GATED], gated=True)
+    _launch(x, gate_up_weight, out, 1, n, tiles or TILES[GATED], gated=True)
     return out
 
 
@@ -150,14 +141,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, splits: in
     k_per_split = k // splits
     block_m = max(16, triton.next_power_of_2(rows))
     weight_kn = weight.t()
-    row_bytes = tiles.block_n * weight.element_size() * (2 if gated else 1)
-    wanted_rows = min(k_per_split, PREFETCH_BYTES // row_bytes)
-    prefetch_rows = 1 << (wanted_rows.bit_length() - 1) if wanted_rows else 0  # tl.arange: a power of two
     x_desc = TensorDescriptor.from_tensor(x, [block_m, tiles.block_k])
     w_desc = TensorDescriptor.from_tensor(weight_kn, [tiles.block_k, tiles.block_n])
     launch = pdl_launch(x.device, _decode_gemm_kernel)
     _decode_gemm_kernel[(n // tiles.block_n, splits)](
-        x_desc, w_desc, weight_kn, out, rows, n, k_per_split, n if gated else 0,
+        x_desc, w_desc, out, rows, n, k_per_split, n if gated else 0,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, STAGES=tiles.stages, GATED=gated,
-        PREFETCH_ROWS=prefetch_rows if launch else 0, USE_PDL=bool(launch), num_warps=4, **launch,
+        USE_PDL=bool(launch), num_warps=tiles.warps, **launch,
     )  # fmt: skip

@@ -8,7 +8,6 @@
 - `round_to`: float32 -> a dtype's nearest value, the same on the GPU and in the interpreter.
 - `has_pdl`, `gdc_wait`, `gdc_launch_dependents`: programmatic dependent launch (Hopper, newer Triton);
   `pdl_launch` and `pdl_start`: the launch option and the in-kernel prologue of a chained kernel.
-- `prefetch_l2`: a chained kernel's constant inputs (weights, cached KV) on their way into L2 before it waits.
 """
 
 from __future__ import annotations
@@ -96,27 +95,6 @@ def pdl_start(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-def l2_prefetch_bytes(name: str, default: int) -> int:
-    """Bytes a chained kernel moves into L2 before its wait, per CTA: $name (0 turns it off) or `default`."""
-    return int(os.environ.get(name, default)) if PDL_ENABLED else 0
-
-
-@jit
-def prefetch_l2(address, nbytes, ok):
-    """Start moving `nbytes` (int32, a multiple of 16) at each 16-byte aligned `address` into L2 where `ok`;
-    returns at once. Before a chained kernel's wait, while the kernel ahead is latency bound, HBM is idle:
-    constant inputs fetched then (weights, cached KV) are L2 hits when the kernel loads them after the wait."""
-    tl.inline_asm_elementwise(
-        "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $3, 0;\n\t@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\t"
-        "mov.u32 $0, 0;\n\t}",
-        "=r,l,r,r",
-        [address, ok.to(tl.int32) * 0 + nbytes, ok.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
 
 
 @jit

@@ -16,9 +16,8 @@ graphs. Blocks (`default_decode_config`): 64 tokens at head_dim 256, 32 at 512, 
 of bf16 at most, next to an M x head_dim float32 accumulator (16 x 512 at most) over 4 warps.
 
 Chained launch: a program reads its row's position, length and first KV slots before it waits for the kernel
-ahead (`pdl_start`); no kernel of the layers writes them, and it starts moving its first SRT_ATTN_PREFETCH
-bytes of K and V into L2 (`prefetch_l2`): the kernel ahead (the q/k/v norm + RoPE + store) is latency
-bound, so HBM is idle meanwhile. The query, and on KV-owning layers the new K/V, are read after the wait.
+ahead (`pdl_start`); no kernel of the layers writes them. The query, and on KV-owning layers the new K/V,
+come after the wait.
 """
 
 from __future__ import annotations
@@ -30,9 +29,7 @@ import triton
 import triton.language as tl
 
 from srt.layers.attention.triton_kernels.paged_kv import LOG2E, dot_precision, kv_slots, row_kv_bounds
-from srt.layers.triton_support import l2_prefetch_bytes, pdl_launch, pdl_start, prefetch_l2
-
-PREFETCH_BYTES = l2_prefetch_bytes("SRT_ATTN_PREFETCH", 64 * 1024)
+from srt.layers.triton_support import pdl_launch, pdl_start
 
 MAX_KV_SPLITS = 64
 
@@ -101,7 +98,6 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PREFETCH_BLOCKS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -121,12 +117,6 @@ def _decode_split_kernel(
     h_ok = offs_h < GROUP
     heads = kv_head * GROUP + offs_h
     slot = kv_slots(req_to_token_row, full_to_swa_ptr, lo + offs_n, lo + offs_n < hi, SLIDING)
-    row_bytes = HEAD_DIM * k_ptr.dtype.element_ty.primitive_bitwidth // 8
-    for block in tl.static_range(PREFETCH_BLOCKS):  # the cached K/V on their way into L2 (module docstring)
-        ahead = lo + block * BLOCK_N + offs_n
-        ahead_slot = kv_slots(req_to_token_row, full_to_swa_ptr, ahead, ahead < hi, SLIDING) if block else slot
-        prefetch_l2(k_ptr + ahead_slot * stride_kt + kv_head * stride_kh, row_bytes, ahead < hi)
-        prefetch_l2(v_ptr + ahead_slot * stride_vt + kv_head * stride_vh, row_bytes, ahead < hi)
     pdl_start(USE_PDL)
     q = tl.load(
         q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None], other=0.0
@@ -240,8 +230,6 @@ def decode_attention(
     window = sliding_window or 0
     part_o, part_lse = partials if num_splits > 1 else (out, out)
     launch = pdl_launch(q.device, _decode_split_kernel)
-    block_bytes = 2 * config.block_n * head_dim * k_buffer.element_size()  # K and V
-    prefetch_blocks = PREFETCH_BYTES // block_bytes if launch else 0
     _decode_split_kernel[(num_rows, kv_heads, num_splits)](
         q,
         out,
@@ -272,7 +260,6 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         SLIDING=sliding,
         DOT_PRECISION=dot_precision(q.dtype == torch.float32),
-        PREFETCH_BLOCKS=prefetch_blocks,
         USE_PDL=bool(launch),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
