@@ -18,11 +18,14 @@ pytest.importorskip("triton")
 
 from srt.layers import ple_kernels  # noqa: E402
 from srt.layers.gelu_kernels import gelu_tanh_mul, gelu_tanh_mul_reference  # noqa: E402
+from srt.layers.layernorm import RMSNorm  # noqa: E402
 from srt.layers.ple_kernels import (  # noqa: E402
     MAX_ROWS,
+    combine_per_layer_inputs,
     per_layer_input_projection,
     per_layer_input_projection_reference,
 )
+from srt.models.gemma4_layers import ScaledEmbedding  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYERS = 3  # per_layer_input is a slice of a [rows, layers, ple_dim] tensor, as in the model
@@ -147,3 +150,30 @@ def test_gpu_cuda_graph_replays_new_inputs(rows: int) -> None:
     graph.replay()
     torch.cuda.synchronize()
     assert_matches_reference(out, block)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# combine_per_layer_inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_per_layer_inputs_kernel_matches_the_torch_ops(dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(3)
+    tokens, layers, ple_dim, vocab = 5, 3, 32, 50
+    table = ScaledEmbedding(vocab, layers * ple_dim, ple_dim**0.5)
+    norm = RMSNorm(ple_dim, eps=1e-6)
+    with torch.no_grad():
+        table.weight.copy_(torch.randn(vocab, layers * ple_dim, generator=generator))
+        norm.weight.copy_(1 + 0.3 * torch.randn(ple_dim, generator=generator))
+    table, norm = table.to(DEVICE, dtype), norm.to(DEVICE, dtype)
+    projected = (20 * torch.randn(tokens, layers * ple_dim, generator=generator)).to(DEVICE, dtype)
+    ids = torch.tensor([0, 49, 7, 7, 13], device=DEVICE)
+    with torch.no_grad():
+        want = combine_per_layer_inputs(projected, 64**-0.5, norm, table, ids, use_triton=False)
+        got = combine_per_layer_inputs(projected, 64**-0.5, norm, table, ids, use_triton=True)
+    assert got.shape == (tokens, layers, ple_dim) and got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # the norm's 1/sqrt vs pow(-0.5) can move a rounded value by an ulp, which the sum carries
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7)
+        assert (got == want).float().mean() > 0.9

@@ -49,16 +49,21 @@ class GemmTiles(NamedTuple):
     warps: int = 4
 
 
-# H100 sweeps at 32 rows (bench/bench_tma_gemm.py): N-blocks of 128-256 columns, 4 stages of 64-128 K; K-chunks
-# under 2048 (o 512, qkv 640) take 64-deep tiles (o 7.04 vs 7.14 us, qkv 8.69 vs 8.97), down's 2560 128-deep
-TILES = {1: GemmTiles(256, 64, 4), 4: GemmTiles(128, 128, 4), GATED: GemmTiles(128, 64, 4)}
-SHORT_CHUNK_TILES = GemmTiles(128, 64, 4)
+# H100 sweeps at 32 rows of E4B's projections (bench/tune_decode_gemm.py, session18-tune-decode-gemm.json): gate_up
+# (gelu in the epilogue) 128-column halves, 4 stages; K-chunked projections 128 x 64 tiles in 5 stages (down 24.3
+# vs 24.7 us with 128 x 128 x 4, o 9.7 vs 9.8), narrower and deeper where 128 columns give under 80 CTAs (q of
+# the sliding layers, N 2048: 9.4 vs 10.1)
+TILES = {1: GemmTiles(256, 64, 4), 4: GemmTiles(128, 64, 5), GATED: GemmTiles(128, 64, 4)}
+NARROW_TILES = GemmTiles(64, 128, 4)
+MIN_CTAS = 80
 
 
-def _tiles(splits: int | str, k: int) -> GemmTiles | None:
-    if splits == 4 and k // 4 < 2048:
-        return SHORT_CHUNK_TILES
-    return TILES.get(splits)
+def tiles_for(splits: int | str, n: int) -> GemmTiles | None:
+    """srt's tiles for `splits` (1, 4 or GATED) and output width n (None: no tiles for that split count)."""
+    tiles = TILES.get(splits)
+    if splits == 4 and n // tiles.block_n * splits < MIN_CTAS:
+        return NARROW_TILES
+    return tiles
 
 
 @jit
@@ -96,10 +101,10 @@ def decode_gemm_applies(x: torch.Tensor, weight: torch.Tensor, splits: int | str
     if not (ENABLED and TensorDescriptor is not None and x.is_cuda and has_pdl(x.device)):
         return False
     rows, k = x.shape
-    tiles = _tiles(splits, k)
+    n = weight.shape[0] // 2 if splits == GATED else weight.shape[0]
+    tiles = tiles_for(splits, n)
     if tiles is None:
         return False
-    n = weight.shape[0] // 2 if splits == GATED else weight.shape[0]
     chunks = 1 if splits == GATED else splits
     return (
         0 < rows <= MAX_ROWS
@@ -120,7 +125,7 @@ def decode_linear(
     rows, n = x.shape[0], weight.shape[0]
     shape = (rows, n) if splits == 1 else (splits, rows, n)
     out = torch.empty(shape, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-    _launch(x, weight, out, splits, n, tiles or _tiles(splits, x.shape[1]), gated=False)
+    _launch(x, weight, out, splits, n, tiles or tiles_for(splits, n), gated=False)
     return out
 
 
@@ -130,7 +135,7 @@ def decode_gelu_mlp(x: torch.Tensor, gate_up_weight: torch.Tensor, tiles: GemmTi
     `decode_gemm_applies(x, gate_up_weight, GATED)`; `tiles` as in `decode_linear`."""
     rows, n = x.shape[0], gate_up_weight.shape[0] // 2
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    _launch(x, gate_up_weight, out, 1, n, tiles or TILES[GATED], gated=True)
+    _launch(x, gate_up_weight, out, 1, n, tiles or tiles_for(GATED, n), gated=True)
     return out
 
 

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from srt.layers.gelu_kernels import gelu_tanh_mul, gelu_tanh_mul_reference, gelu_tanh_mul_rounded
+from srt.layers.layernorm import RMSNorm
 from srt.layers.triton_support import (
     dot_options,
     jit,
@@ -284,4 +285,62 @@ def per_layer_input_projection(
         SPLIT_K=splits, BLOCK_T=block_t, BLOCK_P=block_p, BLOCK_N=tiles.project_block_n,
         PRECISION=precision, UPCAST=upcast, USE_PDL=pdl, num_warps=4, **launch_pdl,
     )  # fmt: skip
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the model's per-layer inputs, once per forward
+
+
+@jit
+def _combine_kernel(
+    projected_ptr, table_ptr, ids_ptr, norm_weight_ptr, out_ptr, stride_projected, stride_table, stride_out,
+    projected_scale, table_scale, eps,
+    PLE_DIM: tl.constexpr,
+):  # fmt: skip
+    """Program (token, layer): the layer's slice of the projection, scaled, normed; plus the token's table
+    slice, scaled; the sum over sqrt(2). Rounded to the dtype after each op, where the torch ops round."""
+    tok = tl.program_id(0).to(tl.int64)
+    offsets = tl.program_id(1) * PLE_DIM + tl.arange(0, PLE_DIM)
+    dtype = out_ptr.dtype.element_ty
+    weight = tl.load(norm_weight_ptr + tl.arange(0, PLE_DIM)).to(tl.float32)
+    row = tl.load(ids_ptr + tok).to(tl.int64)
+    identity = tl.load(table_ptr + row * stride_table + offsets).to(tl.float32)
+    projected = tl.load(projected_ptr + tok * stride_projected + offsets).to(tl.float32)
+    projected = round_to(projected * projected_scale, dtype)
+    normed = round_to(projected / tl.sqrt(tl.sum(projected * projected, axis=0) / PLE_DIM + eps) * weight, dtype)
+    summed = round_to(normed + round_to(identity * table_scale, dtype), dtype)
+    tl.store(out_ptr + tok * stride_out + offsets, round_to(summed * 0.7071067811865476, dtype).to(dtype))
+
+
+def combine_per_layer_inputs(
+    projected: torch.Tensor,
+    projected_scale: float,
+    norm: RMSNorm,
+    table: torch.nn.Embedding,
+    input_ids: torch.Tensor,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """[tokens, layers, ple_dim] per-layer inputs: (norm(projected * projected_scale) + table(input_ids)) / sqrt(2)
+    per layer slice, `table` a ScaledEmbedding (its forward scales the rows).
+
+    projected: the [tokens, layers * ple_dim] model projection of the embeddings. On CUDA one kernel replaces
+    the torch ops (scale, norm, gather, scale, add, scale: six launches per forward); `use_triton` as in
+    fused_kernels.py."""
+    tokens, ple_dim = projected.shape[0], norm.weight.shape[0]
+    layers = projected.shape[1] // ple_dim
+    plain = ple_dim & (ple_dim - 1) or table.weight.stride(-1) != 1
+    if not runs_triton(projected.device, use_triton, _combine_kernel) or plain:
+        normed = norm((projected * projected_scale).view(tokens, layers, ple_dim))
+        return (normed + table(input_ids).view(tokens, layers, ple_dim)) * 2.0**-0.5
+    projected, weight = last_dim_contiguous(projected), table.weight
+    out = torch.empty((tokens, layers, ple_dim), dtype=projected.dtype, device=projected.device)
+    if tokens:
+        # the table's scale rounded to its dtype first, as ScaledEmbedding multiplies by it
+        table_scale = float(torch.tensor(table.scale, dtype=weight.dtype))
+        _combine_kernel[(tokens, layers)](
+            projected, weight, input_ids.contiguous(), norm.weight, out, projected.stride(0), weight.stride(0),
+            out.stride(0), projected_scale, table_scale, norm.eps,
+            PLE_DIM=ple_dim, num_warps=max(1, ple_dim // 256),
+        )  # fmt: skip
     return out

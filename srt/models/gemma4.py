@@ -33,6 +33,7 @@ from srt.configs.model_config import ModelConfig
 from srt.layers.attention.base import AttentionBackend
 from srt.layers.layernorm import RMSNorm
 from srt.layers.logits_processor import LogitsOutput, compute_logits
+from srt.layers.ple_kernels import combine_per_layer_inputs
 from srt.layers.rotary import RotaryEmbedding
 from srt.model_executor.forward_batch import ForwardBatch
 from srt.models.gemma4_layers import (
@@ -96,12 +97,14 @@ class Gemma4TextModel(nn.Module):
             )
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        """[tokens, layers, ple_dim]: (projection of the embedding + token's own PLE row) / sqrt(2)."""
-        tokens = input_ids.shape[0]
-        projected = self.per_layer_model_projection(embeds) * self.config.hidden_size**-0.5
-        projected = self.per_layer_projection_norm(projected.view(tokens, self.config.num_layers, self.ple_dim))
-        identity = self.embed_tokens_per_layer(input_ids).view(tokens, self.config.num_layers, self.ple_dim)
-        return (projected + identity) * 2.0**-0.5
+        """[tokens, layers, ple_dim]: (normed projection of the embedding + token's own PLE row) / sqrt(2)."""
+        return combine_per_layer_inputs(
+            self.per_layer_model_projection(embeds),
+            self.config.hidden_size**-0.5,
+            self.per_layer_projection_norm,
+            self.embed_tokens_per_layer,
+            input_ids,
+        )
 
     def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Scaled token embeddings and, on PLE checkpoints, the per-layer inputs of every layer."""
