@@ -20,8 +20,7 @@ import torch.nn.functional as F
 import triton
 from timing import time_cuda, write_json
 
-from srt.layers import decode_gemm
-from srt.layers.decode_gemm import GATED, GemmTiles, decode_gelu_mlp, decode_linear
+from srt.layers.decode_gemm import GATED, GemmTiles, decode_gelu_mlp, decode_linear, tiles_for
 from srt.layers.gelu_kernels import gelu_tanh_mul_packed
 
 L2_OVERFLOW_BYTES = 256 * 1024**2
@@ -67,7 +66,7 @@ def run_shape(name: str, rows: int) -> dict:
             return decode_gelu_mlp(x, weight, tiles)
         return decode_linear(x, weight, splits, tiles).sum(0)
 
-    current = decode_gemm._tiles(splits, k)
+    current = tiles_for(splits, n // 2 if splits == GATED else n)
     rows_out = []
     for tiles in candidates(n, k, splits, rows):
         try:
