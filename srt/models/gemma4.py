@@ -186,6 +186,8 @@ class Gemma4ForCausalLM(nn.Module):
         # the LM head too (cuBLAS: 482 -> 449 us at 32 rows); a tied embedding's lookup then gathers strided
         # columns, which costs little next to it
         store_transposed(self.model.embed_tokens if self.tie_word_embeddings else self.lm_head)
+        if self.model.ple_dim:  # cuBLAS streams it faster so too (NN, not TN)
+            store_transposed(self.model.per_layer_model_projection)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

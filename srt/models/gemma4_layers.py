@@ -14,6 +14,7 @@ from torch import nn
 from srt.configs.model_config import AttentionLayerSpec, ModelConfig
 from srt.layers.attention.base import AttentionBackend
 from srt.layers.decode_gemm import GATED, decode_gelu_mlp, decode_gemm_applies, decode_linear
+from srt.layers.embedding_kernels import scaled_embedding
 from srt.layers.fused_kernels import add_rms_norm, add_rms_norm_then_norm, rms_norm_rope
 from srt.layers.gelu_kernels import gelu_tanh_mul_packed
 from srt.layers.layernorm import RMSNorm
@@ -33,7 +34,7 @@ class ScaledEmbedding(nn.Embedding):
         self.scale = scale
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(ids) * torch.tensor(self.scale, dtype=self.weight.dtype)
+        return scaled_embedding(self.weight, ids, self.scale)
 
 
 # Projection weights are stored transposed: a Linear's [out, in] weight is a view of a contiguous [in, out]
