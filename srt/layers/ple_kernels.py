@@ -30,6 +30,10 @@ Measured on an H100, bf16, 42 blocks in a CUDA graph (bench/bench_ple.py), E4B: 
 11.2 for the torch ops, 6.8 vs 11.4 at 8 rows, 7.6 vs 11.4 at 32. Above MAX_ROWS (prefill) `use_triton=None`
 runs cuBLAS GEMMs around the fused gelu * mul kernel: cuBLAS catches up by ~128 rows, and prefill is not
 latency bound.
+
+`combine_per_layer_inputs` is the model's side of PLE, once per forward: every layer's per-layer input from
+the embedding's projection (scaled, normed) and the token's row of the per-layer table (scaled), summed and
+scaled, in one kernel instead of six torch launches.
 """
 
 from __future__ import annotations

@@ -184,7 +184,7 @@ class Gemma4ForCausalLM(nn.Module):
             if isinstance(module, (Gemma4Attention, Gemma4MLP)):
                 module.fuse_projections()
         # the LM head too (cuBLAS: 482 -> 449 us at 32 rows); a tied embedding's lookup then gathers strided
-        # columns, which costs little next to it
+        # columns (`embedding_kernels.scaled_embedding`), which costs little next to it
         store_transposed(self.model.embed_tokens if self.tie_word_embeddings else self.lm_head)
         if self.model.ple_dim:  # cuBLAS streams it faster so too (NN, not TN)
             store_transposed(self.model.per_layer_model_projection)
