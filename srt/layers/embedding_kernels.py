@@ -10,6 +10,8 @@ path; `use_triton` as in fused_kernels.py.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -32,6 +34,12 @@ def _scaled_lookup_kernel(
     tl.store(out_ptr + tok * dim + cols, round_to(values.to(tl.float32) * scale, dtype).to(dtype), mask=mask)
 
 
+@functools.cache
+def scale_in_dtype(scale: float, dtype: torch.dtype) -> float:
+    """`scale` rounded to `dtype` (what the reference multiplies by), computed once per (scale, dtype)."""
+    return float(torch.tensor(scale, dtype=dtype))
+
+
 def scaled_embedding_reference(weight: torch.Tensor, ids: torch.Tensor, scale: float) -> torch.Tensor:
     """`F.embedding(ids, weight)` times `scale` rounded to the weight's dtype (the reference's multiply)."""
     return F.embedding(ids, weight) * torch.tensor(scale, dtype=weight.dtype)
@@ -47,8 +55,8 @@ def scaled_embedding(
     dim = weight.shape[1]
     out = torch.empty((flat.shape[0], dim), dtype=weight.dtype, device=weight.device)
     if flat.shape[0]:
-        scale_in_dtype = float(torch.tensor(scale, dtype=weight.dtype))
         _scaled_lookup_kernel[(flat.shape[0], triton.cdiv(dim, BLOCK))](
-            weight, flat, out, weight.stride(0), weight.stride(1), dim, scale_in_dtype, BLOCK=BLOCK, num_warps=2
-        )
+            weight, flat, out, weight.stride(0), weight.stride(1), dim, scale_in_dtype(scale, weight.dtype),
+            BLOCK=BLOCK, num_warps=2,
+        )  # fmt: skip
     return out.view(*ids.shape, dim)

@@ -43,6 +43,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from srt.layers.embedding_kernels import scale_in_dtype
 from srt.layers.gelu_kernels import gelu_tanh_mul, gelu_tanh_mul_reference, gelu_tanh_mul_rounded
 from srt.layers.layernorm import RMSNorm
 from srt.layers.triton_support import (
@@ -341,10 +342,9 @@ def combine_per_layer_inputs(
     out = torch.empty((tokens, layers, ple_dim), dtype=projected.dtype, device=projected.device)
     if tokens:
         # the table's scale rounded to its dtype first, as ScaledEmbedding multiplies by it
-        table_scale = float(torch.tensor(table.scale, dtype=weight.dtype))
         _combine_kernel[(tokens, layers)](
             projected, weight, input_ids.contiguous(), norm.weight, out, projected.stride(0), weight.stride(0),
-            out.stride(0), projected_scale, table_scale, norm.eps,
+            out.stride(0), projected_scale, scale_in_dtype(table.scale, weight.dtype), norm.eps,
             PLE_DIM=ple_dim, num_warps=max(1, ple_dim // 256),
         )  # fmt: skip
     return out
