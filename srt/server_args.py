@@ -66,6 +66,12 @@ class ServerArgs:
         "Launch every kernel of decode steps (and of YOCO's KV-shared layers) eagerly instead of replaying "
         "CUDA graphs captured at start-up (GPU with the triton backend only).",
     )
+    disable_overlap_schedule: bool = _arg(
+        False,
+        "Read each decode step's sampled tokens on the host before launching the next step. By default the next "
+        "decode step is launched first, its input tokens taken from the device, so the host's work between "
+        "steps runs while the GPU computes.",
+    )
     cuda_graph_max_bs: int | None = _arg(
         None, "Largest batch captured in a CUDA graph (default: --max-running-requests); larger ones run eagerly."
     )

@@ -125,6 +125,25 @@ def test_batches_larger_than_the_largest_size_run_eagerly(tiny_checkpoint) -> No
     assert calls == [2, 2]
 
 
+@pytest.mark.parametrize("padded_steps", [True, False])
+def test_overlapped_decode_gives_the_same_outputs(tiny_checkpoint, padded_steps: bool) -> None:
+    """Decode steps fed their input ids from the device, read one step late, change nothing."""
+    runner = build_runner(tiny_checkpoint("tiny-gemma-4-E4B-it"), padded_steps)
+    vocab = runner.model_config.vocab_size
+    prompts = [prompt(vocab, n, seed) for seed, n in enumerate([3, 9, 17])]
+    overlapped = generate_greedy(runner, prompts, 6, overlap=True)
+    serial = generate_greedy(runner, prompts, 6, overlap=False)
+    assert overlapped.output_ids == serial.output_ids
+    assert len(overlapped.step_seconds) == len(overlapped.step_logits) == 6
+    for a, b in zip(overlapped.step_logits, serial.step_logits, strict=True):
+        assert torch.equal(a, b)
+    allocator = runner.token_allocator
+    allocator.check_integrity()
+    runner.req_to_token_pool.check_integrity()
+    assert runner.req_to_token_pool.in_use() == 0
+    assert allocator.full.available() == allocator.full_size and allocator.swa.available() == allocator.swa_size
+
+
 def test_scheduler_with_padded_steps_matches_one_at_a_time(tiny_checkpoint) -> None:
     """Requests joining and leaving the decode batch change its padded size; outputs stay each request's own."""
     args = ServerArgs(model_path=str(tiny_checkpoint("tiny-gemma-4-E4B-it")), device="cpu", dtype="float32")
@@ -183,4 +202,24 @@ def test_cuda_graphs_give_the_eager_greedy_outputs(tiny_checkpoint, variant: str
         for a, b in zip(ours.step_logits, reference.step_logits, strict=True):
             assert relative_error(a, b) < 1e-3
     del graphs, eager
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+def test_overlapped_decode_under_cuda_graphs_gives_the_same_outputs(tiny_checkpoint) -> None:
+    """Replays fed by the previous replay's ids on the device, read one step late: the same tokens and logits
+    as steps read back before the next launch."""
+    common = dict(model_path=str(tiny_checkpoint("tiny-gemma-4-E4B-it")), device="cuda", dtype="float32")
+    runner = ModelRunner(ServerArgs(**common, max_running_requests=16, max_total_tokens=8192))
+    assert runner.decode_graphs is not None and runner.decode_graphs.steps.use_graphs
+    vocab = runner.model_config.vocab_size
+    for batch in (1, 3, 16):
+        prompts = [prompt(vocab, 5 + 11 * i, i) for i in range(batch)]
+        overlapped = generate_greedy(runner, prompts, 12, overlap=True)
+        serial = generate_greedy(runner, prompts, 12, overlap=False)
+        assert overlapped.output_ids == serial.output_ids, f"batch {batch}"
+        for a, b in zip(overlapped.step_logits, serial.step_logits, strict=True):
+            assert torch.equal(a, b)
+    runner.token_allocator.check_integrity()
+    del runner
     torch.cuda.empty_cache()

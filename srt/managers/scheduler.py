@@ -189,16 +189,15 @@ class Scheduler:
     # ---- run and update ----------------------------------------------------------------------------------
     def _run(self, batch: ScheduleBatch) -> list[ReqOutput]:
         slots = self.allocator.alloc(sum(item.num_tokens for item in batch.items))
-        if batch.mode == ForwardMode.DECODE:
-            rows, positions = zip(*((item.req.req_pool_idx, item.req.kv_len) for item in batch.items), strict=True)
-            self.req_to_token_pool.write_one_each(list(rows), list(positions), slots)
+        forward_batch = batch.to_forward_batch(slots, self.req_to_token_pool, self.runner.kv_pool)
+        if batch.mode == ForwardMode.DECODE:  # one new token per request, at its row and position
+            self.req_to_token_pool.write_one_each(forward_batch.req_pool_indices, forward_batch.positions, slots)
         else:
             start = 0
             for item in batch.items:
                 item_slots = slots[start : start + item.num_tokens]
                 self.req_to_token_pool.write(item.req.req_pool_idx, item.req.kv_len, item_slots)
                 start += item.num_tokens
-        forward_batch = batch.to_forward_batch(slots, self.req_to_token_pool, self.runner.kv_pool)
         output = self.runner.forward(forward_batch)
         logits = output.logits
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from srt.host_device import host_to_device
+
 
 class ReqToTokenPool:
     """A [max_requests + 1, max_context] int32 table plus a free list of rows.
@@ -42,10 +44,14 @@ class ReqToTokenPool:
         """Record `slots` as the slots of tokens start .. start + len(slots) - 1 of the row's request."""
         self.req_to_token[row, start : start + len(slots)] = slots.to(torch.int32)
 
-    def write_one_each(self, rows: list[int], positions: list[int], slots: torch.Tensor) -> None:
-        """Record slot i as the slot of token positions[i] of row rows[i]'s request (a decode step), in one op."""
-        index = torch.tensor([rows, positions], dtype=torch.int64, device=self.device)
-        self.req_to_token[index[0], index[1]] = slots.to(torch.int32)
+    def write_one_each(
+        self, rows: list[int] | torch.Tensor, positions: list[int] | torch.Tensor, slots: torch.Tensor
+    ) -> None:
+        """Record slot i as the slot of token positions[i] of row rows[i]'s request (a decode step), in one op.
+        `rows` and `positions` may already be on the device (a ForwardBatch's)."""
+        if not isinstance(rows, torch.Tensor) or not isinstance(positions, torch.Tensor):
+            rows, positions = host_to_device([list(rows), list(positions)], self.device)
+        self.req_to_token[rows, positions] = slots.to(torch.int32)
 
     def in_use(self) -> int:
         return self.max_requests - len(self._free_rows)

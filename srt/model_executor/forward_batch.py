@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from srt.host_device import host_to_device
+
 if TYPE_CHECKING:
     from srt.mem_cache.kv_pool import HybridKVPool
     from srt.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -134,7 +136,7 @@ class ForwardBatch:
     def build(
         cls,
         mode: ForwardMode,
-        new_token_ids: list[list[int]],
+        new_token_ids: list[list[int]] | torch.Tensor,
         prefix_lens: list[int],
         req_pool_indices: list[int],
         out_cache_loc: torch.Tensor,
@@ -142,26 +144,31 @@ class ForwardBatch:
         req_to_token_pool: ReqToTokenPool,
         kv_pool: HybridKVPool,
     ) -> ForwardBatch:
-        """Lay out a batch from each request's new tokens and how many tokens it already has in KV."""
+        """Lay out a batch from each request's new tokens and how many tokens it already has in KV.
+
+        `new_token_ids`: each request's new tokens; or, for one new token per request, a [batch] tensor on the
+        device (the previous step's sampled ids, never read back: an overlapped decode step is built while the
+        step before it still runs). Building never waits for the device.
+        """
         device = kv_pool.device
-        extend_lens = [len(ids) for ids in new_token_ids]
+        on_device = isinstance(new_token_ids, torch.Tensor)
+        extend_lens = [1] * len(new_token_ids) if on_device else [len(ids) for ids in new_token_ids]
         seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens, strict=True)]
         positions = [pos for p, s in zip(prefix_lens, seq_lens, strict=True) for pos in range(p, s)]
-        flat_ids = [tok for ids in new_token_ids for tok in ids]
-
-        def tensor(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
+        flat_ids = [] if on_device else [tok for ids in new_token_ids for tok in ids]
+        fields = (positions, req_pool_indices, seq_lens, prefix_lens, extend_lens, logits_rows, flat_ids)
+        tensors = host_to_device([list(values) for values in fields], device)
+        input_ids = new_token_ids.to(torch.int64) if on_device else tensors[-1]
         return cls(
             mode=mode,
-            input_ids=tensor(flat_ids),
-            positions=tensor(positions),
-            req_pool_indices=tensor(req_pool_indices),
-            seq_lens=tensor(seq_lens),
-            extend_prefix_lens=tensor(prefix_lens),
-            extend_seq_lens=tensor(extend_lens),
+            input_ids=input_ids,
+            positions=tensors[0],
+            req_pool_indices=tensors[1],
+            seq_lens=tensors[2],
+            extend_prefix_lens=tensors[3],
+            extend_seq_lens=tensors[4],
             out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
-            logits_rows=tensor(logits_rows),
+            logits_rows=tensors[5],
             req_to_token_pool=req_to_token_pool,
             kv_pool=kv_pool,
             seq_lens_cpu=seq_lens,

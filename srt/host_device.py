@@ -1,0 +1,43 @@
+"""Copies between the host and the device that the host does not wait for.
+
+A decode step is prepared while the step before it runs on the GPU (the overlap schedule): nothing on that
+path may wait for the device. A plain `torch.tensor(values, device="cuda")` copies from pageable memory and
+waits; `host_to_device` copies from pinned memory instead. `DeviceToHost` starts a copy of a step's outputs to
+pinned memory and reads them later, after the next step is launched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def host_to_device(lists: list[list[int]], device: torch.device | str) -> list[torch.Tensor]:
+    """int64 tensors of `lists` on `device`, in one copy (views of one buffer)."""
+    flat = [value for values in lists for value in values]
+    pinned = torch.device(device).type == "cuda"
+    host = torch.tensor(flat, dtype=torch.int64, pin_memory=pinned)
+    # the caching host allocator keeps the pinned block until the copy has run
+    whole = host.to(device, non_blocking=pinned)
+    return list(whole.split([len(values) for values in lists]))
+
+
+class DeviceToHost:
+    """A copy of device tensors to the host, started now and read by `get()` (which waits for it only).
+
+    The copies are queued on the current stream behind the work that produces the tensors, so they see its
+    results, and ahead of later work that may overwrite them (a CUDA graph's output buffers).
+    """
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._event = None
+        if tensors and tensors[0].is_cuda:
+            self._copies = [t.to("cpu", non_blocking=True) for t in tensors]  # pinned destinations
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._copies = [t.clone() for t in tensors]
+
+    def get(self) -> list[torch.Tensor]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._copies
