@@ -162,7 +162,10 @@ def test_gpu_cuda_graph_replays_new_inputs(rows: int) -> None:
         block.per_layer_input.copy_(fresh.per_layer_input)
         graph.replay()
         torch.cuda.synchronize()
-        assert_matches_reference(out, block)
+        # within 2 ulps; the share of bit-exact outputs varies with the inputs (a flipped gated value moves
+        # every output), so only the bound is asserted here
+        expected = per_layer_input_projection_reference(*block.args())
+        assert_within_ulps(out, expected, block.summed_magnitude(), 2)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
+from srt.host_device import DeviceToHost
 from srt.layers.sampler import PenaltyState, SamplingBatch, logprobs_of, sample, top_logprobs
 from srt.managers.io_struct import FinishReason, ReqOutput, TokenLogprob
 from srt.managers.schedule_batch import Req, ScheduledReq
+
+
+@dataclass
+class SampledTokens:
+    """One token per request, drawn on the device; the host reads them with `append_samples`."""
+
+    sampling: SamplingBatch  # reuse it while the same requests decode
+    next_ids: torch.Tensor  # [reqs] on the device: an overlapped decode step's input ids
+    copies: DeviceToHost  # next ids, then logprobs and top-k ids and values where asked for
+    has_logprobs: bool
+    has_top_logprobs: bool
 
 
 def sample_batch(
@@ -18,12 +31,13 @@ def sample_batch(
     default_generator: torch.Generator | None,
     sampling: SamplingBatch | None = None,
     greedy_ids: torch.Tensor | None = None,
-) -> SamplingBatch:
-    """Sample one token per request from its row of `logits` and append it (with logprobs if asked).
-    `greedy_ids`: each row's argmax, where the model's logits kernel found it (see `sample`).
+) -> SampledTokens:
+    """Sample one token per request from its row of `logits`, on the device, and start copying the tokens
+    (with logprobs if asked) to the host. `greedy_ids`: each row's argmax, where the model's logits kernel
+    found it (see `sample`). Nothing here waits for the device.
 
-    Returns the SamplingBatch used; pass it back as `sampling` while the requests stay the same (decode steps)
-    to skip rebuilding it.
+    Pass the returned `sampling` back as `sampling` while the requests stay the same (decode steps) to skip
+    rebuilding it. Penalties read the requests' output so far: append the previous step's tokens first.
     """
     batch = sampling or SamplingBatch.build(
         [req.params.sampling_params for req in reqs],
@@ -39,16 +53,35 @@ def sample_batch(
     want_logprobs = any(req.params.return_logprob for req in reqs)
     top_k = max(req.params.top_logprobs_num for req in reqs)
     out = sample(logits, batch, penalties, top_k, want_logprobs, greedy_ids)
-    next_ids = out.next_token_ids.tolist()
+    tensors = [out.next_token_ids]
+    if out.logprobs is not None:
+        tensors.append(out.logprobs)
+    if out.top_logprobs is not None:
+        tensors += [out.top_logprobs.ids, out.top_logprobs.values]
+    has_top = out.top_logprobs is not None
+    return SampledTokens(batch, out.next_token_ids, DeviceToHost(tensors), out.logprobs is not None, has_top)
+
+
+def append_samples(reqs: list[Req], sampled: SampledTokens) -> None:
+    """Append each request's sampled token (and its logprobs if asked), waiting for the copies.
+
+    A request that ended while the step ran (aborted, or finished by the step before under the overlap
+    schedule) gets nothing: its token is dropped.
+    """
+    copies = iter([t.tolist() for t in sampled.copies.get()])
+    next_ids = next(copies)
+    logprobs = next(copies) if sampled.has_logprobs else None
+    top_ids, top_values = (next(copies), next(copies)) if sampled.has_top_logprobs else (None, None)
     for i, req in enumerate(reqs):
+        if req.finished:
+            continue
         req.output_ids.append(next_ids[i])
         if req.params.return_logprob:
             top = []
-            if out.top_logprobs is not None and req.params.top_logprobs_num:
+            if top_ids is not None and req.params.top_logprobs_num:
                 k = req.params.top_logprobs_num
-                top = list(zip(out.top_logprobs.ids[i, :k].tolist(), out.top_logprobs.values[i, :k].tolist()))
-            req.output_logprobs.append(TokenLogprob(next_ids[i], float(out.logprobs[i]), top))
-    return batch
+                top = list(zip(top_ids[i][:k], top_values[i][:k]))
+            req.output_logprobs.append(TokenLogprob(next_ids[i], float(logprobs[i]), top))
 
 
 def record_prompt_logprobs(item: ScheduledReq, logits: torch.Tensor) -> None:

@@ -102,9 +102,12 @@ class ScheduleBatch:
     mode: ForwardMode
     items: list[ScheduledReq]
 
-    def to_forward_batch(self, out_cache_loc: torch.Tensor, req_to_token_pool, kv_pool) -> ForwardBatch:
+    def to_forward_batch(
+        self, out_cache_loc: torch.Tensor, req_to_token_pool, kv_pool, input_ids: torch.Tensor | None = None
+    ) -> ForwardBatch:
         """Lay out the ForwardBatch; `logits_rows` lists, per request in order, prompt-logprob rows then its
-        sampling row."""
+        sampling row. `input_ids`: a decode batch's new tokens on the device, when the host has not read them
+        yet (the overlap schedule)."""
         new_tokens, prefix_lens, rows, logits_rows = [], [], [], []
         start = 0
         for item in self.items:
@@ -118,7 +121,7 @@ class ScheduleBatch:
             start += item.num_tokens
         return ForwardBatch.build(
             mode=self.mode,
-            new_token_ids=new_tokens,
+            new_token_ids=new_tokens if input_ids is None else input_ids,
             prefix_lens=prefix_lens,
             req_pool_indices=rows,
             out_cache_loc=out_cache_loc,

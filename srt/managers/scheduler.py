@@ -3,17 +3,38 @@
 One step: admit from the waiting queue under the budgets (prefill first) or else decode every running
 request -> run the model -> sample -> update requests -> report -> cache. When memory runs short it evicts
 unlocked prefix-cache entries, then retracts decode requests back to the waiting queue.
+
+Overlap schedule (default; --disable-overlap-schedule turns it off). While the same requests keep decoding
+and nothing waits, step n + 1 is launched with step n's sampled tokens as its input ids, on the device,
+before the host reads step n's tokens; the host's bookkeeping runs while the GPU computes:
+
+    host:  launch n+1 | read n, stop checks, report | launch n+2 | read n+1, ...
+    GPU:   ... step n ][ step n+1 ......................][ step n+2 ......
+
+A request that finished at step n has run in step n + 1 too: that token is dropped, and the KV it wrote
+(of the request's last token, valid) goes to the cache with the rest when the request is released. Steps
+run in stream order, so KV freed on the host while a step still runs is only reused by later steps.
+Anything else (a new request, an abort, a short pool, penalties that read step n's token) first finishes
+the step in flight.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from srt.layers.sampler import SamplingBatch, make_generator
 from srt.managers.io_struct import FinishReason, ReqOutput, TokenizedGenerateReq
-from srt.managers.request_output import collect_output, finish_check, record_prompt_logprobs, sample_batch
+from srt.managers.request_output import (
+    SampledTokens,
+    append_samples,
+    collect_output,
+    finish_check,
+    record_prompt_logprobs,
+    sample_batch,
+)
 from srt.managers.schedule_batch import Req, ScheduleBatch, ScheduledReq
 from srt.managers.schedule_policy import PrefillBudget, order_waiting
 from srt.mem_cache.base_prefix_cache import PrefixCache
@@ -25,6 +46,15 @@ from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Launched:
+    """A batch whose forward and sampling are queued on the device; `Scheduler._finish` completes it."""
+
+    batch: ScheduleBatch
+    sampled_reqs: list[Req]
+    sampled: SampledTokens | None
 
 
 class Scheduler:
@@ -49,6 +79,8 @@ class Scheduler:
         self.default_generator = make_generator(server_args.seed, self.runner.device)
         # the last SamplingBatch with the requests it was built for (decode steps reuse it)
         self._sampling: tuple[list[Req], SamplingBatch] | None = None
+        self.overlap = not server_args.disable_overlap_schedule
+        self._in_flight: _Launched | None = None  # a decode step launched, its tokens not read yet
 
     # ---- requests in -----------------------------------------------------------------------------------
     def add_request(self, request: TokenizedGenerateReq) -> None:
@@ -87,11 +119,21 @@ class Scheduler:
         return None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._in_flight)
 
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
-        """Run one forward (prefill if anything can be admitted, else decode); report what changed."""
+        """Run one forward (prefill if anything can be admitted, else decode); report what changed.
+
+        Under the overlap schedule a decode step is reported by the next call, which launches the step after
+        it first when it can (module docstring).
+        """
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            batch = self._continued_decode(previous)
+            if batch is not None:
+                self._in_flight = self._launch(batch, previous.sampled.next_ids)
+            return self._finish(previous)
         batch = self._schedule_prefill() or self._schedule_decode()
         if batch is None and self.has_work():
             # a decode step may have retracted everything to make room; admission can run again at once
@@ -100,7 +142,11 @@ class Scheduler:
                 return [self._fail_unschedulable()]
         if batch is None:
             return []
-        return self._run(batch)
+        launched = self._launch(batch)
+        if self.overlap and batch.mode == ForwardMode.DECODE:
+            self._in_flight = launched
+            return []
+        return self._finish(launched)
 
     def _fail_unschedulable(self) -> ReqOutput:
         """Nothing can run even with the cache evicted: end the request that blocks the rest, with a reason."""
@@ -175,6 +221,17 @@ class Scheduler:
         sample = completes and len(req.output_ids) < req.params.sampling_params.max_new_tokens
         return ScheduledReq(req, num, sample, rows)
 
+    def _continued_decode(self, previous: _Launched) -> ScheduleBatch | None:
+        """The decode step after `previous`, launched before its tokens are read; None when anything changed."""
+        reqs = previous.sampled_reqs
+        if previous.batch.mode != ForwardMode.DECODE or self.waiting or previous.sampled.sampling.needs_penalty_state:
+            return None
+        if len(reqs) != len(self.running) or any(a is not b for a, b in zip(reqs, self.running, strict=True)):
+            return None  # a request was aborted
+        if not self._make_room(len(reqs)):
+            return None  # retraction decides with every token read
+        return ScheduleBatch(ForwardMode.DECODE, [ScheduledReq(req, 1, True) for req in reqs])
+
     def _schedule_decode(self) -> ScheduleBatch | None:
         decoding = [req for req in self.running if req.to_compute == 1]
         # fewest output tokens first (they lose the least work), latest admitted first among equals
@@ -187,9 +244,11 @@ class Scheduler:
         return ScheduleBatch(ForwardMode.DECODE, [ScheduledReq(req, 1, True) for req in decoding])
 
     # ---- run and update ----------------------------------------------------------------------------------
-    def _run(self, batch: ScheduleBatch) -> list[ReqOutput]:
+    def _launch(self, batch: ScheduleBatch, input_ids: torch.Tensor | None = None) -> _Launched:
+        """Queue the forward and the sampling of `batch`; `input_ids` (device): a continued decode's tokens."""
         slots = self.allocator.alloc(sum(item.num_tokens for item in batch.items))
-        forward_batch = batch.to_forward_batch(slots, self.req_to_token_pool, self.runner.kv_pool)
+        pools = (self.req_to_token_pool, self.runner.kv_pool)
+        forward_batch = batch.to_forward_batch(slots, *pools, input_ids)
         if batch.mode == ForwardMode.DECODE:  # one new token per request, at its row and position
             self.req_to_token_pool.write_one_each(forward_batch.req_pool_indices, forward_batch.positions, slots)
         else:
@@ -215,22 +274,30 @@ class Scheduler:
             item.req.kv_len += item.num_tokens
             if item.req.kv_len >= len(item.req.prompt_ids):
                 item.req.prompt_logprobs_done = True
-        if sampled_items:
-            greedy_ids = output.greedy_ids
-            if sample_rows != list(range(len(logits))):  # decode samples every row: no [rows, vocab] copy then
-                logits = logits[sample_rows]
-                greedy_ids = None if greedy_ids is None else greedy_ids[sample_rows]
-            self._sample([item.req for item in sampled_items], logits, greedy_ids)
+        sampled_reqs = [item.req for item in sampled_items]
+        if not sampled_items:
+            return _Launched(batch, sampled_reqs, None)
+        greedy_ids = output.greedy_ids
+        if sample_rows != list(range(len(logits))):  # decode samples every row: no [rows, vocab] copy then
+            logits = logits[sample_rows]
+            greedy_ids = None if greedy_ids is None else greedy_ids[sample_rows]
+        return _Launched(batch, sampled_reqs, self._sample(sampled_reqs, logits, greedy_ids))
 
+    def _finish(self, launched: _Launched) -> list[ReqOutput]:
+        """Read a launched batch's tokens; stop checks, releases and caching; what each request produced."""
+        if launched.sampled is not None:
+            append_samples(launched.sampled_reqs, launched.sampled)
         outputs, out_of_window = [], []
-        for item in batch.items:
+        for item in launched.batch.items:
             req = item.req
+            if req.req_pool_idx is None:
+                continue  # released while the step ran: aborted, or finished by the step before
             if not req.finished:
                 req.finished_reason = finish_check(req, self.eos_ids, self.runner.context_len)
             if req.finished:
                 self.running.remove(req)
                 self._release(req)
-            elif batch.mode == ForwardMode.EXTEND:
+            elif launched.batch.mode == ForwardMode.EXTEND:
                 # prompt KV (a chunk, or the whole prompt once done) goes to the cache, which then owns its
                 # sliding-window KV: requests sharing the prefix hit it until the cache evicts it
                 self._cache_prefill(req)
@@ -240,15 +307,16 @@ class Scheduler:
         self._free_windows(out_of_window)
         return outputs
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor, greedy_ids: torch.Tensor | None) -> None:
+    def _sample(self, reqs: list[Req], logits: torch.Tensor, greedy_ids: torch.Tensor | None) -> SampledTokens:
         """Sample the requests' next tokens; the SamplingBatch is reused while the same requests decode."""
         cached = None
         if self._sampling is not None and len(self._sampling[0]) == len(reqs):
             # by identity: the cache holds its requests, so a new request cannot take an old one's place
             same = all(a is b for a, b in zip(self._sampling[0], reqs, strict=True))
             cached = self._sampling[1] if same else None
-        sampling = sample_batch(reqs, logits, self.eos_ids, self.default_generator, cached, greedy_ids)
-        self._sampling = (reqs, sampling)
+        sampled = sample_batch(reqs, logits, self.eos_ids, self.default_generator, cached, greedy_ids)
+        self._sampling = (reqs, sampled.sampling)
+        return sampled
 
     def _cache_prefill(self, req: Req) -> None:
         """After a prefill forward: the request's tokens so far go to the cache; it keeps them locked."""
