@@ -86,16 +86,22 @@ stage_moe() {
 }
 
 stage_serving() {  # 30 prompts x 7000 input / 10 output tokens at full concurrency, E4B
+    # SERVER_ARGS: extra server flags; SERVING_RUNS: benchmark runs against the same server (later ones warm)
     python3 -m srt.launch_server --model gemma-4-E4B-it --load-format dummy --port 30000 \
-        --log-interval 5 >"$RESULTS/server.log" 2>&1 &
+        --log-interval ${LOG_INTERVAL:-5} ${SERVER_ARGS:-} >"$RESULTS/server.log" 2>&1 &
     server=$!
     for _ in $(seq 240); do
         curl -sf http://127.0.0.1:30000/health >/dev/null && break
         sleep 1
     done
-    timeout 300 python3 bench/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 30 \
-        --random-input-len 7000 --random-output-len 10 --max-concurrency 30 --warmup-requests 2 \
-        --output-json "$RESULTS/serving-E4B-30x7000.json" --plot "$RESULTS/serving-E4B-30x7000.png"
+    for run in $(seq ${SERVING_RUNS:-1}); do
+        suffix="" && [ "$run" -gt 1 ] && suffix="-run$run"
+        timeout 300 python3 bench/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 30 \
+            --random-input-len 7000 --random-output-len 10 --max-concurrency 30 --warmup-requests 2 \
+            --output-json "$RESULTS/serving-E4B-30x7000$suffix.json" --plot "$RESULTS/serving-E4B-30x7000$suffix.png" \
+            | grep -E "Total token throughput|Duration|Successful"
+        echo "Triton kernels compiled so far: $(ls ~/.triton/cache 2>/dev/null | wc -l)"
+    done
     kill -TERM $server
     wait $server
     tail -5 "$RESULTS/server.log"

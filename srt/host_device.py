@@ -10,15 +10,25 @@ from __future__ import annotations
 
 import torch
 
+ALIGN = 2  # int64 elements: each list starts 16-byte aligned in the shared buffer
+
 
 def host_to_device(lists: list[list[int]], device: torch.device | str) -> list[torch.Tensor]:
-    """int64 tensors of `lists` on `device`, in one copy (views of one buffer)."""
-    flat = [value for values in lists for value in values]
+    """int64 tensors of `lists` on `device`, in one copy (views of one buffer).
+
+    Each view starts 16-byte aligned, as a tensor of its own would: Triton specialises kernels on the alignment
+    of pointer arguments, and views at arbitrary offsets would compile new variants as batch sizes change.
+    """
+    starts, flat = [], []
+    for values in lists:
+        flat += [0] * (-len(flat) % ALIGN)
+        starts.append(len(flat))
+        flat += values
     pinned = torch.device(device).type == "cuda"
     host = torch.tensor(flat, dtype=torch.int64, pin_memory=pinned)
     # the caching host allocator keeps the pinned block until the copy has run
     whole = host.to(device, non_blocking=pinned)
-    return list(whole.split([len(values) for values in lists]))
+    return [whole[start : start + len(values)] for start, values in zip(starts, lists, strict=True)]
 
 
 class DeviceToHost:

@@ -126,7 +126,9 @@ def _attend(
     return m_i, l_i, acc
 
 
-@triton.jit
+# num_tiles changes with every batch: specialised (== 1, a multiple of 16), each new kind of batch would compile
+# the kernel again while requests wait
+@triton.jit(do_not_specialize=["num_tiles"])
 def _extend_kernel(
     q_ptr,
     o_ptr,
