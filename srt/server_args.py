@@ -66,6 +66,12 @@ class ServerArgs:
         "Launch every kernel of decode steps (and of YOCO's KV-shared layers) eagerly instead of replaying "
         "CUDA graphs captured at start-up (GPU with the triton backend only).",
     )
+    skip_server_warmup: bool = _arg(
+        False,
+        "Start serving without first running two short requests through the model. On a GPU the warm-up "
+        "compiles the prefill kernels (seconds) before the server reports ready instead of during the first "
+        "request.",
+    )
     disable_overlap_schedule: bool = _arg(
         False,
         "Read each decode step's sampled tokens on the host before launching the next step. By default the next "

@@ -1,6 +1,7 @@
 """The overlap schedule (a decode step launched before the host reads the step before it) changes no output:
 the same tokens, logprobs and finish reasons as the serial schedule, with requests finishing at different
 steps, arriving mid-decode, aborted while a step is in flight, and with penalties (which pause the overlap).
+Also: the server's start-up warm-up leaves the pools as it found them.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from test_scheduler import PRESET, assert_idle_and_consistent, make_scheduler, p
 from srt.managers.inprocess import GenerationResult
 from srt.managers.io_struct import TokenizedGenerateReq
 from srt.managers.scheduler import Scheduler
+from srt.managers.scheduler_process import warm_up
 from srt.sampling.sampling_params import SamplingParams
 
 
@@ -159,3 +161,18 @@ def test_abort_while_a_step_is_in_flight(tiny_checkpoint, abort_at: int) -> None
     for rid in ("0", "2"):
         assert results[rid].output_ids == expected[rid].output_ids
     assert_idle_and_consistent(scheduler)
+
+
+def test_server_warm_up_leaves_every_pool_as_it_found_it(tiny_checkpoint) -> None:
+    """The GPU server's start-up warm-up (two short requests) runs here on the CPU: afterwards nothing is cached,
+    running or in use, and a request gives the output of a scheduler that never warmed up."""
+    path = tiny_checkpoint(PRESET)
+    scheduler = make_scheduler(path)
+    full, swa = scheduler.allocator.full.available(), scheduler.allocator.swa.available()
+    warm_up(scheduler)
+    assert_idle_and_consistent(scheduler)
+    assert scheduler.cache.cached() == 0
+    assert (scheduler.allocator.full.available(), scheduler.allocator.swa.available()) == (full, swa)
+    ids = prompts(1, seed=15)[0]
+    got = drive(scheduler, {0: [request(0, ids, max_new_tokens=6)]})
+    assert_same_results(got, drive(make_scheduler(path), {0: [request(0, ids, max_new_tokens=6)]}))
