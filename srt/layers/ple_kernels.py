@@ -309,15 +309,16 @@ def per_layer_input_projection(
     return out
 
 
-_TICKETS: dict[torch.device, torch.Tensor] = {}  # per device: zeros between calls (each call resets its own)
+# per (device, count): zeros between calls (each call resets its own)
+_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
 def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """The gate kernel's per-block counters of finished K-chunks. Allocated once and never freed, so no
-    CUDA-graph pool hands their memory to another tensor."""
-    tickets = _TICKETS.get(device)
-    if tickets is None or len(tickets) < count:
-        tickets = _TICKETS[device] = torch.zeros(max(count, 64), dtype=torch.int32, device=device)
+    """The gate kernel's per-block counters of finished K-chunks. One buffer per count, allocated once and never
+    freed or replaced: a CUDA graph that captured it keeps pointing at live memory."""
+    tickets = _TICKETS.get((device, count))
+    if tickets is None:
+        tickets = _TICKETS[device, count] = torch.zeros(count, dtype=torch.int32, device=device)
     return tickets
 
 

@@ -157,7 +157,7 @@ class ForwardBatch:
         positions = [pos for p, s in zip(prefix_lens, seq_lens, strict=True) for pos in range(p, s)]
         flat_ids = [] if on_device else [tok for ids in new_token_ids for tok in ids]
         fields = (positions, req_pool_indices, seq_lens, prefix_lens, extend_lens, logits_rows, flat_ids)
-        tensors = host_to_device([list(values) for values in fields], device)
+        tensors = host_to_device(list(fields), device)
         input_ids = new_token_ids.to(torch.int64) if on_device else tensors[-1]
         return cls(
             mode=mode,
