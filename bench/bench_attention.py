@@ -28,13 +28,13 @@ import triton
 from timing import print_kernel_resources, time_cuda, write_json
 
 from srt.configs.model_config import FULL, SLIDING, AttentionLayerSpec
+from srt.forward.forward_batch import ForwardBatch, ForwardMode
+from srt.kernels.attention import decode as dk
+from srt.kernels.attention import extend as ek
 from srt.layers.attention import create_attention_backend
-from srt.layers.attention.triton_kernels import decode_attention as dk
-from srt.layers.attention.triton_kernels import extend_attention as ek
 from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.kv_pool import HybridKVPool
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 HEADS, KV_HEADS, WINDOW = 8, 2, 512  # gemma-4-E4B
 LAYERS = (
@@ -313,7 +313,7 @@ def main() -> None:
     if args.chain:
         cases = [(name, requests) for name, mode, requests in CASES if mode.is_decode() and args.cases in name]
         results = [r for name, requests in cases for r in run_chain(name, requests, args.sweep)]
-        print_kernel_resources(dk._decode_split_kernel, dk._decode_combine_kernel)
+        print_kernel_resources(*dk.KERNELS)
         return write_results(args.json, props, results)
     results = []
     for name, mode, requests in CASES:

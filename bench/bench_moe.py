@@ -29,11 +29,11 @@ from pathlib import Path
 import torch
 from timing import time_cuda, time_host, write_json
 
+from srt.kernels.moe.experts import ExpertsConfig, default_experts_config
+from srt.kernels.moe.routing import topk_routing
 from srt.layers.moe import fused_experts as fe
 from srt.layers.moe.experts import Experts
-from srt.layers.moe.fused_routing import fused_topk_routing
 from srt.layers.moe.router import topk_routing_reference
-from srt.layers.moe.triton_kernels.experts import ExpertsConfig, default_experts_config
 
 HIDDEN, EXPERTS, TOP_K, INTER = 2816, 128, 8, 704
 HBM_BYTES_PER_S, BF16_FLOPS = 3.0e12, 790e12
@@ -87,14 +87,14 @@ def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
 def bench_routing(tokens: int) -> dict:
     logits = torch.randn(tokens, EXPERTS, device=DEVICE).to(torch.bfloat16)
     scales = 0.5 + torch.rand(EXPERTS, device=DEVICE)
-    weights, ids = fused_topk_routing(logits, scales, TOP_K)
+    weights, ids = topk_routing(logits, scales, TOP_K, use_triton=True)
     ref_weights, ref_ids = topk_routing_reference(logits, scales, TOP_K)
     record = {
         "part": "routing",
         "tokens": tokens,
         "ids_equal": bool(torch.equal(ids.long(), ref_ids)),
         "max_weight_diff": float((weights - ref_weights).abs().max()),
-        "fused": timings(lambda: fused_topk_routing(logits, scales, TOP_K)),
+        "fused": timings(lambda: topk_routing(logits, scales, TOP_K, use_triton=True)),
         "torch_reference": timings(lambda: topk_routing_reference(logits, scales, TOP_K)),
         "transformers_ops": timings(lambda: transformers_routing(logits, scales, TOP_K)),
     }
@@ -109,7 +109,7 @@ def bench_routing(tokens: int) -> dict:
 def bench_experts(tokens: int, experts: Experts, sweep: bool) -> dict:
     hidden = torch.randn(tokens, HIDDEN, device=DEVICE).to(torch.bfloat16)
     logits = torch.randn(tokens, EXPERTS, device=DEVICE)
-    weights, ids = fused_topk_routing(logits, experts.per_expert_scale, TOP_K)
+    weights, ids = topk_routing(logits, experts.per_expert_scale, TOP_K, use_triton=True)
     touched = int(torch.unique(ids).numel())
     weight_bytes = touched * 3 * HIDDEN * INTER * 2
     flops = tokens * TOP_K * 3 * HIDDEN * INTER * 2

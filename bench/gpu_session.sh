@@ -78,7 +78,7 @@ stage_layouts() {  # decode-sized projections: which cuBLAS call and weight layo
 }
 
 stage_norm() {  # warps of the residual add + norm kernel
-    timeout 200 python3 bench/tune_add_rms_norm.py --json "$RESULTS/tune-add-rms-norm.json"
+    timeout 200 python3 bench/tune/tune_add_rms_norm.py --json "$RESULTS/tune-add-rms-norm.json"
 }
 
 stage_moe() {

@@ -10,7 +10,7 @@ from typing import Any
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-ATTENTION_BACKENDS = ("auto", "torch_native", "triton", "flashinfer")
+ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 
 

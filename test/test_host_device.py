@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.host_device import DeviceToHost, host_to_device
+from srt.forward.host_device import DeviceToHost, host_to_device
 
 
 def test_host_to_device_splits_one_copy_into_the_lists() -> None:

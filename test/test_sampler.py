@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.layers.sampler import (
+from srt.sampling import SamplingParams
+from srt.sampling.sampler import (
     PenaltyState,
     SamplingBatch,
     apply_penalties,
@@ -15,7 +16,6 @@ from srt.layers.sampler import (
     sample,
     top_logprobs,
 )
-from srt.sampling import SamplingParams
 
 CPU = torch.device("cpu")
 EOS = 1

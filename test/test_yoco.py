@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from srt.forward.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.logits_processor import LogitsOutput
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt.model_executor.model_runner import ModelRunner
 from srt.models.gemma4 import YOCO_ENV
 from srt.server_args import ServerArgs
@@ -156,9 +156,9 @@ def chunked_prefill(d: Driver, vocab: int) -> list[list[int]]:
     long, short = prompt(vocab, 41, 20), prompt(vocab, 7, 21)
     out = d.forward(ForwardMode.EXTEND, [("long", long[:16]), ("short", short)], logits_rows=[22])
     tokens = [greedy(out)]
-    out = d.forward(ForwardMode.MIXED, [("long", long[16:32]), ("short", tokens[-1])], logits_rows=[16])
+    out = d.forward(ForwardMode.EXTEND, [("long", long[16:32]), ("short", tokens[-1])], logits_rows=[16])
     tokens.append(greedy(out))
-    out = d.forward(ForwardMode.MIXED, [("long", long[32:]), ("short", tokens[-1])], logits_rows=[8, 9])
+    out = d.forward(ForwardMode.EXTEND, [("long", long[32:]), ("short", tokens[-1])], logits_rows=[8, 9])
     tokens.append(greedy(out))
     out = d.forward(ForwardMode.DECODE, [("long", tokens[-1][:1]), ("short", tokens[-1][1:])], [0, 1])
     return [*tokens, greedy(out)]
@@ -244,7 +244,7 @@ def test_no_kv_sharing_is_a_no_op(monkeypatch) -> None:
 def test_select_rows_lays_out_the_subset(tiny_checkpoint, monkeypatch) -> None:
     runner = build_runner(tiny_checkpoint("tiny-gemma-4-E4B-it"), monkeypatch, True)
     batch = ForwardBatch.build(
-        mode=ForwardMode.MIXED,
+        mode=ForwardMode.EXTEND,
         new_token_ids=[[11, 12, 13, 14], [21, 22, 23], [31], [41, 42]],
         prefix_lens=[3, 0, 7, 5],
         req_pool_indices=[4, 5, 6, 7],

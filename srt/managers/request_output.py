@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.host_device import DeviceToHost
-from srt.layers.sampler import PenaltyState, SamplingBatch, logprobs_of, sample, top_logprobs
+from srt.forward.host_device import DeviceToHost
 from srt.managers.io_struct import FinishReason, ReqOutput, TokenLogprob
 from srt.managers.schedule_batch import Req, ScheduledReq
+from srt.sampling.sampler import PenaltyState, SamplingBatch, logprobs_of, sample, top_logprobs
 
 
 @dataclass

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from srt.layers.sampler import make_generator
+from srt.forward.forward_batch import ForwardBatch, ForwardMode
 from srt.managers.io_struct import FinishReason, TokenizedGenerateReq, TokenLogprob
 from srt.mem_cache.base_prefix_cache import MatchResult
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.sampling.sampler import make_generator
 
 
 @dataclass(eq=False)

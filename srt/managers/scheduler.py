@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.layers.sampler import SamplingBatch, make_generator
+from srt.forward.forward_batch import ForwardMode
 from srt.managers.io_struct import FinishReason, ReqOutput, TokenizedGenerateReq
 from srt.managers.request_output import (
     SampledTokens,
@@ -41,8 +41,8 @@ from srt.mem_cache.base_prefix_cache import PrefixCache
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.swa_radix_cache import SWARadixCache
 from srt.mem_cache.swa_window import out_of_window_upto
-from srt.model_executor.forward_batch import ForwardMode
 from srt.model_executor.model_runner import ModelRunner
+from srt.sampling.sampler import SamplingBatch, make_generator
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ unmapped sliding-window index points there, so every index a kernel sees can be 
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from srt import envs
 
 
 class OutOfSlotsError(RuntimeError):
@@ -121,7 +121,7 @@ class SWATokenAllocator:
 
 def debug_kv_indices() -> bool:
     """`SRT_DEBUG_KV_INDICES=1` checks every KV index before it reaches a kernel (slow; for debugging)."""
-    return os.environ.get("SRT_DEBUG_KV_INDICES", "0") == "1"
+    return envs.SRT_DEBUG_KV_INDICES.enabled()
 
 
 def check_indices(indices: torch.Tensor, pool_size: int, pool_name: str) -> None:

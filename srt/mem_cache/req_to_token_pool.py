@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from srt.host_device import host_to_device
+from srt.forward.host_device import host_to_device
 
 
 class ReqToTokenPool:

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import torch
 
+from srt.forward.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention.base import AttentionBackend
 from srt.layers.logits_processor import LogitsOutput
 from srt.mem_cache.kv_pool import HybridKVPool
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from srt.model_executor.captured_steps import CapturedSteps, StaticInputs
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 
 class _OneRowPerRequestSteps:

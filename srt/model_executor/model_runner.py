@@ -9,6 +9,7 @@ import torch
 from transformers import GenerationConfig
 
 from srt.configs.model_config import ModelConfig, resolve_dtype
+from srt.forward.forward_batch import ForwardBatch
 from srt.layers.attention import create_attention_backend
 from srt.layers.logits_processor import LogitsOutput
 from srt.mem_cache.allocator import SWATokenAllocator
@@ -17,7 +18,6 @@ from srt.mem_cache.memory_plan import plan_memory
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from srt.model_executor.captured_steps import default_batch_sizes
 from srt.model_executor.cuda_graph_runner import DecodeGraphs, SharedLayerGraphs
-from srt.model_executor.forward_batch import ForwardBatch
 from srt.model_loader.loader import load_model
 from srt.server_args import ServerArgs
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.host_device import DeviceToHost
-from srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt.forward.forward_batch import ForwardBatch, ForwardMode
+from srt.forward.host_device import DeviceToHost
 from srt.model_executor.model_runner import ModelRunner
 
 

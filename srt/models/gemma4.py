@@ -23,38 +23,35 @@ GPU it replays a captured CUDA graph (`shared_layer_graphs`) instead of launchin
 from __future__ import annotations
 
 import logging
-import os
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
 
+from srt import envs
 from srt.configs.model_config import ModelConfig
+from srt.forward.forward_batch import ForwardBatch
+from srt.kernels.per_layer_inputs import combine_per_layer_inputs
 from srt.layers.attention.base import AttentionBackend
+from srt.layers.embedding import ScaledEmbedding
 from srt.layers.layernorm import RMSNorm
+from srt.layers.linear import store_transposed
 from srt.layers.logits_processor import LogitsOutput, compute_logits
-from srt.layers.ple_kernels import combine_per_layer_inputs
 from srt.layers.rotary import RotaryEmbedding
-from srt.model_executor.forward_batch import ForwardBatch
-from srt.models.gemma4_layers import (
-    Gemma4Attention,
-    Gemma4DecoderLayer,
-    Gemma4MLP,
-    ScaledEmbedding,
-    store_transposed,
-)
-
-if TYPE_CHECKING:
-    from srt.model_executor.cuda_graph_runner import SharedLayerGraphs
+from srt.models.gemma4_layers import Gemma4Attention, Gemma4DecoderLayer, Gemma4MLP
 
 logger = logging.getLogger(__name__)
 
-YOCO_ENV = "GEMMA4_YOCO"
+YOCO_ENV = envs.GEMMA4_YOCO.name
 
 
-def yoco_enabled_by_env() -> bool:
-    """False only when the environment says `GEMMA4_YOCO=0` (YOCO is on by default)."""
-    return os.environ.get(YOCO_ENV, "1").strip() != "0"
+class SharedLayerRunner(Protocol):
+    """Runs `Gemma4TextModel.run_shared_layers` faster for the batches it can take (the model executor's
+    captured CUDA graphs)."""
+
+    def can_run(self, batch: ForwardBatch) -> bool: ...
+
+    def __call__(self, hidden: torch.Tensor, per_layer: torch.Tensor | None, batch: ForwardBatch) -> torch.Tensor: ...
 
 
 class TextModelOutput(NamedTuple):
@@ -81,9 +78,9 @@ class Gemma4TextModel(nn.Module):
             self.per_layer_projection_norm = RMSNorm(self.ple_dim, hf.rms_norm_eps)
         # the layer at which the batch shrinks to its logits rows (YOCO); None runs every row through
         self.yoco_layer: int | None = None
-        self.set_yoco(yoco_enabled_by_env())
+        self.set_yoco(envs.GEMMA4_YOCO.enabled())
         # captured CUDA graphs of `run_shared_layers`, set by the ModelRunner when it captures them
-        self.shared_layer_graphs: SharedLayerGraphs | None = None
+        self.shared_layer_graphs: SharedLayerRunner | None = None
         if config.first_kv_shared_layer is None:
             logger.info("YOCO fast prefill: n/a (no KV-shared layers)")
         elif self.yoco_layer is None:
@@ -98,11 +95,14 @@ class Gemma4TextModel(nn.Module):
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[tokens, layers, ple_dim]: (normed projection of the embedding + token's own PLE row) / sqrt(2)."""
+        table = self.embed_tokens_per_layer
         return combine_per_layer_inputs(
             self.per_layer_model_projection(embeds),
             self.config.hidden_size**-0.5,
-            self.per_layer_projection_norm,
-            self.embed_tokens_per_layer,
+            self.per_layer_projection_norm.weight,
+            self.per_layer_projection_norm.eps,
+            table.weight,
+            table.scale,
             input_ids,
         )
 
@@ -184,7 +184,7 @@ class Gemma4ForCausalLM(nn.Module):
             if isinstance(module, (Gemma4Attention, Gemma4MLP)):
                 module.fuse_projections()
         # the LM head too (cuBLAS: 482 -> 449 us at 32 rows); a tied embedding's lookup then gathers strided
-        # columns (`embedding_kernels.scaled_embedding`), which costs little next to it
+        # columns (`kernels/embedding.py`), which costs little next to it
         store_transposed(self.model.embed_tokens if self.tie_word_embeddings else self.lm_head)
         if self.model.ple_dim:  # cuBLAS streams it faster so too (NN, not TN)
             store_transposed(self.model.per_layer_model_projection)

@@ -1,9 +1,9 @@
-"""The building blocks of a Gemma 4 decoder: embeddings, attention, MLP, decoder layer, residual add + norm.
+"""The building blocks of a Gemma 4 decoder: attention, MLP, decoder layer, residual add + norm.
 
 Parameter names are the checkpoint's (`Gemma4ForCausalLM` in models/gemma4.py assembles the model). After
 loading, `fuse_projections` stacks projections that read the same input and stores every projection weight
-transposed; at decode sizes the o and down projections return K-split partial sums that the residual add +
-norm after them sums (`layers/split_k.py`).
+transposed; at decode sizes the q/qkv, o and down projections return K-split partial sums that the norm
+kernel after them sums (`layers/linear.py`).
 """
 
 from __future__ import annotations
@@ -12,59 +12,17 @@ import torch
 from torch import nn
 
 from srt.configs.model_config import AttentionLayerSpec, ModelConfig
+from srt.forward.forward_batch import ForwardBatch
+from srt.kernels.norm import add_rms_norm, add_rms_norm_then_norm
+from srt.kernels.per_layer_projection import per_layer_input_projection
+from srt.kernels.qkv_store import QKVLayout, qkv_norm_rope_store
+from srt.kernels.rope import rms_norm_rope
 from srt.layers.attention.base import AttentionBackend
-from srt.layers.decode_gemm import GATED, decode_gelu_mlp, decode_gemm_applies, decode_linear
-from srt.layers.embedding_kernels import scaled_embedding
-from srt.layers.fused_kernels import add_rms_norm, add_rms_norm_then_norm, rms_norm_rope
-from srt.layers.gelu_kernels import gelu_tanh_mul_packed
 from srt.layers.layernorm import RMSNorm
+from srt.layers.linear import gelu_mlp, linear_partials, project, stack_linears, store_transposed
 from srt.layers.moe.experts import Experts
 from srt.layers.moe.router import Router
-from srt.layers.ple_kernels import per_layer_input_projection
-from srt.layers.qkv_norm_rope_store import QKVLayout, qkv_norm_rope_store
-from srt.layers.split_k import TRITON_SPLITS, linear_partials
-from srt.model_executor.forward_batch import ForwardBatch
-
-
-class ScaledEmbedding(nn.Embedding):
-    """Embedding times a constant; the constant is rounded to the weight dtype first, as the reference does."""
-
-    def __init__(self, num_embeddings: int, dim: int, scale: float) -> None:
-        super().__init__(num_embeddings, dim)
-        self.scale = scale
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return scaled_embedding(self.weight, ids, self.scale)
-
-
-# Projection weights are stored transposed: a Linear's [out, in] weight is a view of a contiguous [in, out]
-# tensor. F.linear then runs x @ W^T on a row-major W^T, which cuBLAS streams 2-8% faster at decode sizes on
-# an H100 (bench/bench_gemm_layouts.py: gate_up 40.9 -> 38.9 us at 32 rows) with the same values.
-
-
-@torch.no_grad()
-def stack_linears(*linears: nn.Linear) -> nn.Linear:
-    """One bias-free Linear whose output is the given Linears' outputs side by side (one matmul, not several),
-    its weight stored transposed."""
-    weight_t = torch.cat([linear.weight.t() for linear in linears], dim=1)
-    stacked = nn.Linear(weight_t.shape[0], weight_t.shape[1], bias=False, device="meta")  # no init work
-    stacked.weight = nn.Parameter(weight_t.t())
-    return stacked
-
-
-@torch.no_grad()
-def store_transposed(module: nn.Linear | nn.Embedding) -> None:
-    """`module`'s 2-D weight, same values and shape, as a view of its contiguous transpose (no copy when it is
-    one already)."""
-    module.weight = nn.Parameter(module.weight.t().contiguous().t())
-
-
-def project(x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-    """x @ W^T for a projection that a norm kernel reads next: at decode sizes on Hopper the chained Triton
-    GEMM's float32 K-chunk partial sums ([splits, rows, N], summed by that kernel), else the plain product."""
-    if decode_gemm_applies(x, linear.weight, TRITON_SPLITS):
-        return decode_linear(x, linear.weight, TRITON_SPLITS)
-    return linear(x)
+from srt.mem_cache.allocator import debug_kv_indices
 
 
 class Gemma4Attention(nn.Module):
@@ -86,7 +44,6 @@ class Gemma4Attention(nn.Module):
             # k_eq_v layers (full layers of 26B/31B) take V from the K projection before its norm and RoPE
             self.v_proj = None if spec.k_eq_v else nn.Linear(hidden_size, kv_heads * dim, bias=False)
             self.k_norm = RMSNorm(dim, eps=eps)
-            self.v_norm = RMSNorm(dim, eps=eps, with_scale=False)
             self.layout = QKVLayout(heads, kv_heads, dim, spec.k_eq_v)
         self.o_proj = nn.Linear(heads * dim, hidden_size, bias=False)
 
@@ -114,18 +71,23 @@ class Gemma4Attention(nn.Module):
         elif self.qkv_proj is None:
             raise RuntimeError("Gemma4Attention runs after fuse_projections() (load_model calls it)")
         else:  # norms, RoPE and the K/V cache write in one kernel on GPU; the attention then reads the cache only
+            target = batch.kv_pool.cache_target(self.spec.layer_id)
+            if debug_kv_indices():
+                target.rows(batch.out_cache_loc)  # checks every row: the kernel trusts them
             q = qkv_norm_rope_store(
                 project(hidden, self.qkv_proj),
                 self.layout,
-                self.q_norm,
-                self.k_norm,
-                self.v_norm,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.q_norm.eps,
                 cos,
                 sin,
-                batch.kv_pool.cache_target(self.spec.layer_id),
+                target.k_buffer,
+                target.v_buffer,
+                target.full_to_swa,
                 batch.out_cache_loc,
             )
-        out = backend.forward(q, None, None, self.spec, batch, save_kv=False)
+        out = backend.forward(q, self.spec, batch)
         return linear_partials(out.reshape(tokens, -1), self.o_proj.weight)
 
 
@@ -148,12 +110,7 @@ class Gemma4MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             raise RuntimeError("Gemma4MLP runs after fuse_projections() (load_model calls it)")
-        weight = self.gate_up_proj.weight
-        if decode_gemm_applies(x, weight, GATED):  # decode: gelu * up in the GEMM's epilogue
-            gated = decode_gelu_mlp(x, weight)
-        else:
-            gated = gelu_tanh_mul_packed(self.gate_up_proj(x))
-        return linear_partials(gated, self.down_proj.weight)
+        return linear_partials(gelu_mlp(x, self.gate_up_proj), self.down_proj.weight)
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -197,7 +154,7 @@ class Gemma4DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(new hidden, next_norm(new hidden) or None). `attn_input` is input_layernorm(hidden): the layer
         before computes it in the kernel of its last residual add, as this one does for `next_norm`. The
-        attention and MLP outputs may come as K-split partial sums (`split_k.linear_partials`): the add + norm
+        attention and MLP outputs may come as K-split partial sums (`layers/linear.py`): the add + norm
         kernels after them take either form."""
         attn = self.self_attn(attn_input, cos_sin, batch, backend)
         hidden, mlp_input = add_norm_then_norm(
@@ -225,7 +182,7 @@ class Gemma4DecoderLayer(nn.Module):
 
 def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """(residual + norm(x)) * scale in one fused kernel on GPU."""
-    return add_rms_norm(x, residual, norm.weight if norm.with_scale else None, norm.eps, scale)
+    return add_rms_norm(x, residual, norm.scale, norm.eps, scale)
 
 
 def add_norm_then_norm(
@@ -239,5 +196,4 @@ def add_norm_then_norm(
     (summed, None) without a next norm."""
     if next_norm is None:
         return add_norm(norm, x, residual, scale), None
-    weight = norm.weight if norm.with_scale else None
-    return add_rms_norm_then_norm(x, residual, weight, norm.eps, next_norm.weight, next_norm.eps, scale)
+    return add_rms_norm_then_norm(x, residual, norm.scale, norm.eps, next_norm.weight, next_norm.eps, scale)

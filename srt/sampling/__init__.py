@@ -1,4 +1,4 @@
-"""What a request asks of sampling: `SamplingParams`. The batched sampler itself is `srt.layers.sampler`."""
+"""Sampling: what a request asks for (`SamplingParams`) and the batched sampler (`sampler.py`)."""
 
 from __future__ import annotations
 

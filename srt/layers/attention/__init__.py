@@ -1,4 +1,4 @@
-"""Attention backends over paged KV: `torch_native` (reference), `triton` (GPU default), `flashinfer`."""
+"""Attention backends over paged KV: `torch_native` (reference, CPU default) and `triton` (GPU default)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from srt.configs.model_config import AttentionLayerSpec
-from srt.model_executor.forward_batch import ForwardBatch
+from srt.forward.forward_batch import ForwardBatch
 
 
 class AttentionBackend(ABC):
@@ -22,19 +22,10 @@ class AttentionBackend(ABC):
         """Prepare per-forward metadata (index tensors, lengths) in `batch.attn_metadata`."""
 
     @abstractmethod
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: AttentionLayerSpec,
-        batch: ForwardBatch,
-        save_kv: bool = True,
-    ) -> torch.Tensor:
-        """Attention output [tokens, heads, head_dim] for q [tokens, heads, head_dim].
+    def forward(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
+        """Attention output [tokens, heads, head_dim] for q [tokens, heads, head_dim] over the layer's KV.
 
-        When `save_kv`, k and v ([tokens, kv_heads, head_dim]) of the batch's new tokens are first written
-        to the layer's pool at `batch.out_cache_loc`. A KV-shared layer passes no k/v and reads its owner's
-        buffers; the pool resolves whose. (Gemma 4's KV-owning layers write their K/V themselves, fused with
-        the q/k/v norms, and pass no k/v either.)
+        The batch's new tokens' K/V are in the pool already: a KV-owning layer writes them before it calls
+        this (fused with its q/k/v norms, `kernels/qkv_store.py`). A KV-shared layer reads its owner's
+        buffers; the pool resolves whose.
         """

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from srt.configs.model_config import AttentionLayerSpec
+from srt.forward.forward_batch import ForwardBatch
 from srt.layers.attention.base import AttentionBackend
-from srt.model_executor.forward_batch import ForwardBatch
 
 
 @dataclass(frozen=True)
@@ -47,18 +47,8 @@ class TorchNativeAttentionBackend(AttentionBackend):
             row += num_rows
         batch.attn_metadata = requests
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: AttentionLayerSpec,
-        batch: ForwardBatch,
-        save_kv: bool = True,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         pool = batch.kv_pool
-        if save_kv:
-            pool.write(layer.layer_id, batch.out_cache_loc, k, v)
         k_buffer, v_buffer = pool.kv_buffers(layer.layer_id)
         req_to_token = batch.req_to_token_pool.req_to_token
         out = torch.empty_like(q)

@@ -4,10 +4,10 @@ Same semantics as `torch_native`: each query row sees its request's KV positions
 (and, on sliding layers, no further back than window - 1); sliding layers read the SWA pool through
 `full_to_swa`; KV-shared layers read their owner's buffers. Two kernels:
 
-- decode (`triton_kernels/decode_attention.py`): one row per request, split-KV with a combine pass. Used for
+- decode (`kernels/attention/decode.py`): one row per request, split-KV with a combine pass. Used for
   DECODE batches (row i = request i; nothing is read back to the host, so it can run under CUDA graphs) and
   for extend batches whose requests have at most one row each (e.g. YOCO's last-row subsets).
-- extend (`triton_kernels/extend_attention.py`): tiles of rows per request, for everything else.
+- extend (`kernels/attention/extend.py`): tiles of rows per request, for everything else.
 
 Per-forward metadata is a handful of device tensors made once in `init_forward_metadata` (plus tile tables
 and scratch made at the first layer of each shape and reused by the rest).
@@ -21,20 +21,11 @@ from functools import cache
 import torch
 
 from srt.configs.model_config import AttentionLayerSpec
+from srt.forward.forward_batch import ForwardBatch
+from srt.kernels.attention.decode import decode_attention, decode_partials, default_decode_config, num_kv_splits
+from srt.kernels.attention.extend import build_extend_tiles, default_extend_config, extend_attention
 from srt.layers.attention.base import AttentionBackend
-from srt.layers.attention.triton_kernels.decode_attention import (
-    decode_attention,
-    decode_partials,
-    default_decode_config,
-    num_kv_splits,
-)
-from srt.layers.attention.triton_kernels.extend_attention import (
-    build_extend_tiles,
-    default_extend_config,
-    extend_attention,
-)
 from srt.mem_cache.allocator import check_indices, debug_kv_indices
-from srt.model_executor.forward_batch import ForwardBatch
 
 # Without a GPU (the Triton CPU interpreter in tests) pretend to have this many multiprocessors, so that
 # decode still splits the KV of a few short requests.
@@ -98,18 +89,8 @@ class TritonAttentionBackend(AttentionBackend):
             extend_seq_lens=batch.extend_seq_lens,
         )
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        layer: AttentionLayerSpec,
-        batch: ForwardBatch,
-        save_kv: bool = True,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         pool = batch.kv_pool
-        if save_kv:
-            pool.write(layer.layer_id, batch.out_cache_loc, k, v)
         k_buffer, v_buffer = pool.kv_buffers(layer.layer_id)
         req_to_token = batch.req_to_token_pool.req_to_token
         full_to_swa = pool.allocator.full_to_swa

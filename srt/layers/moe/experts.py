@@ -1,6 +1,6 @@
 """The expert MLPs of a Gemma 4 MoE layer, stored as 3-D tensors with transformers' names.
 
-`forward` runs the fused kernels of `fused_experts.py` on CUDA; `forward_reference` is the torch reference:
+`forward` runs the fused experts of `fused_experts.py` on CUDA; `forward_reference` is the torch reference:
 a loop over the experts that received tokens. It is the CPU path and the test oracle of the fused kernels.
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from srt.layers.moe.fused_experts import fused_experts
 
 
 class Experts(nn.Module):
@@ -28,8 +30,6 @@ class Experts(nn.Module):
     def forward(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         if self.backend == "torch" or (self.backend == "auto" and not hidden.is_cuda):
             return self.forward_reference(hidden, weights, expert_ids)
-        from srt.layers.moe.fused_experts import fused_experts
-
         backend = None if self.backend == "auto" else self.backend
         return fused_experts(hidden, self.gate_up_proj, self.down_proj, weights, expert_ids, backend)
 

@@ -4,8 +4,8 @@ Both backends sort the token slots (slot = token * top_k + k) by expert once, wi
 then run one grouped GEMM for gate/up (gelu-tanh gating) and one for down over all experts, and sum each
 token's top_k weighted outputs:
 
-- "triton": `triton_kernels/experts.py` over slots padded to whole row blocks per expert (`ExpertBlocks`,
-  made by one `triton_kernels/align.py` launch at decode sizes, by torch ops above them);
+- "triton": `kernels/moe/experts.py` over slots padded to whole row blocks per expert (`ExpertBlocks`,
+  made by one `kernels/moe/align.py` launch at decode sizes, by torch ops above them);
   gelu(gate) * up is fused into the first GEMM's epilogue and the routing weight into the second's. Any float
   dtype; runs on CUDA or under Triton's CPU interpreter.
 - "grouped_mm": `torch._grouped_mm` (CUTLASS grouped GEMM, bf16 on Hopper) over the gathered token rows in
@@ -23,14 +23,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from srt.kernels.moe import align as align_kernel
+from srt.kernels.moe import experts as experts_kernels
 from srt.layers.graph_mode import in_cuda_graph_step
-from srt.layers.moe.fused_routing import triton_runs_on
-
-try:
-    from srt.layers.moe.triton_kernels import align as align_kernel
-    from srt.layers.moe.triton_kernels import experts as experts_kernels
-except ImportError:  # no triton: grouped_mm or the torch loop
-    align_kernel = experts_kernels = None
 
 BACKENDS = ("triton", "grouped_mm")
 
@@ -143,7 +138,7 @@ def grouped_mm_supported(hidden: torch.Tensor) -> bool:
 
 def triton_supported(hidden: torch.Tensor) -> bool:
     """The Triton kernels run on CUDA, or on the CPU when they were decorated under TRITON_INTERPRET=1."""
-    return experts_kernels is not None and triton_runs_on(hidden.device, experts_kernels._gate_up_kernel)
+    return experts_kernels.runs_on(hidden.device)
 
 
 # Eager H100 timings (docs/benchmarks.md, MoE): grouped_mm is faster up to 512 tokens (fewer host-side launches

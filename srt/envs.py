@@ -1,0 +1,57 @@
+"""Every environment switch srt reads, in one place; docs/usage.md lists them.
+
+Switches are for A/B runs and debugging; everything a user configures is a flag of `ServerArgs`. Each switch
+says when it is read: a switch read at import time must be set before srt is imported (in the shell, or the
+environment of a launched server).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Switch:
+    """An on/off environment variable: a default-on switch is off only when set to "0", a default-off one is
+    on only when set to "1"."""
+
+    name: str
+    default: bool
+    read: str  # when srt reads it
+    help: str
+
+    def enabled(self) -> bool:
+        value = os.environ.get(self.name, "").strip()
+        if not value:
+            return self.default
+        return value != "0" if self.default else value == "1"
+
+
+GEMMA4_YOCO = Switch(
+    "GEMMA4_YOCO",
+    True,
+    "when the model is built",
+    "YOCO fast prefill: the KV-shared layers run on the rows whose logits are needed only; 0 runs them on "
+    "every row (A/B runs).",
+)
+SRT_TRITON_GEMM = Switch(
+    "SRT_TRITON_GEMM",
+    True,
+    "at import",
+    "Decode-sized projections on the chained Triton GEMM (Hopper); 0 leaves every projection to cuBLAS.",
+)
+SRT_PDL = Switch(
+    "SRT_PDL",
+    True,
+    "at import",
+    "Chained kernel launches (programmatic dependent launch, Hopper); 0 launches each kernel after the last.",
+)
+SRT_DEBUG_KV_INDICES = Switch(
+    "SRT_DEBUG_KV_INDICES",
+    False,
+    "at every check",
+    "1 checks every KV slot index before it reaches a kernel (slow; for debugging out-of-range reads).",
+)
+
+SWITCHES = (GEMMA4_YOCO, SRT_TRITON_GEMM, SRT_PDL, SRT_DEBUG_KV_INDICES)

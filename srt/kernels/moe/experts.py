@@ -1,0 +1,239 @@
+"""Grouped expert GEMMs over token slots sorted by expert and padded to whole row blocks.
+
+A slot is one (token, k) pair: slot = token * top_k + k. `ExpertBlocks` (built in `fused_experts.py`) lists
+the slots expert by expert, each expert's run padded with the sentinel `num_slots` to a multiple of BLOCK_M,
+so that every block of BLOCK_M rows belongs to one expert:
+
+    rows:          | e0 e0 e0 -- | e3 e3 e3 e3 | e3 -- -- -- | e7 -- -- -- | (unused blocks) ...
+    block_expert:  |      0      |      3      |      3      |      7      |
+                   <------------ num_rows (device scalar) --------------->
+
+Kernel 1, grid (row blocks, cdiv(inter, BLOCK_N)): rows x gate_up_proj[e] -> gate and up tiles of the same
+columns -> gelu_tanh(gate) * up, stored to `act[slot]` [num_slots, inter].
+Kernel 2, grid (row blocks, cdiv(hidden, BLOCK_N)): act[slot] x down_proj[e] times the slot's routing weight,
+stored to `out[slot]` [num_slots, hidden]; the caller sums the top_k slots of each token.
+Blocks past num_rows return at once: the grid is sized from shapes alone, so nothing is read back to the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from srt.kernels.gelu_mul import gelu_tanh_f32
+from srt.kernels.triton_support import dot_options, is_interpreted, jit, tl, triton
+
+
+@dataclass(frozen=True)
+class ExpertsConfig:
+    block_m: int
+    block_n_gate_up: int  # columns of gate (and as many of up) per program
+    block_n_down: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def default_experts_config(num_slots: int, num_experts: int, on_gpu: bool) -> ExpertsConfig:
+    """Block shapes by the mean number of slots per expert (decode: ~0 to 2, prefill: hundreds)."""
+    if not on_gpu:
+        return ExpertsConfig(16, 16, 16, 16, 4, 1)
+    per_expert = num_slots / num_experts
+    if per_expert <= 4:  # weight streaming: many narrow programs keep enough loads in flight
+        return ExpertsConfig(16, 32, 64, 128, 4, 4)
+    if per_expert <= 64:
+        return ExpertsConfig(32, 64, 64, 64, 4, 4)
+    # down tiles 256 wide: 1.10x over 128 at 7000 tokens on the H100 (bench/tune/tune_moe_experts.py)
+    return ExpertsConfig(128, 64, 256, 64, 8, 3)
+
+
+@jit
+def _gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    act_ptr,
+    slot_of_row_ptr,
+    block_expert_ptr,
+    num_rows_ptr,
+    num_slots,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_act,
+    TOP_K: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    slots = tl.load(slot_of_row_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = slots < num_slots
+    tokens = (slots // TOP_K).to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < INTER
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * stride_x + offs_k[None, :]
+    # [BLOCK_K, BLOCK_N] tiles of gate rows (0..inter) and up rows (inter..2*inter), transposed by indexing
+    gate_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    up_ptrs = gate_ptrs + INTER * stride_wn
+    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, HIDDEN, BLOCK_K):
+        k_ok = offs_k < HIDDEN - k0
+        x = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w_ok = k_ok[:, None] & col_ok[None, :]
+        w_gate = tl.load(gate_ptrs + k0, mask=w_ok, other=0.0)
+        w_up = tl.load(up_ptrs + k0, mask=w_ok, other=0.0)
+        if UPCAST:
+            x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
+        gate = tl.dot(x, w_gate, gate, input_precision=PRECISION)
+        up = tl.dot(x, w_up, up, input_precision=PRECISION)
+    act = gelu_tanh_f32(gate) * up
+    act_ptrs = act_ptr + slots[:, None].to(tl.int64) * stride_act + offs_n[None, :]
+    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@jit
+def _down_kernel(
+    act_ptr,
+    w_ptr,
+    out_ptr,
+    weights_ptr,
+    slot_of_row_ptr,
+    block_expert_ptr,
+    num_rows_ptr,
+    num_slots,
+    stride_act,
+    stride_we,
+    stride_wn,
+    stride_out,
+    HIDDEN: tl.constexpr,
+    INTER: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(num_rows_ptr):
+        return
+    slots = tl.load(slot_of_row_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = slots < num_slots
+    slots64 = slots.to(tl.int64)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < HIDDEN
+    offs_k = tl.arange(0, BLOCK_K)
+    act_ptrs = act_ptr + slots64[:, None] * stride_act + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, INTER, BLOCK_K):
+        k_ok = offs_k < INTER - k0
+        a = tl.load(act_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if UPCAST:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    acc = acc * tl.load(weights_ptr + slots64, mask=row_ok, other=0.0)[:, None]
+    out_ptrs = out_ptr + slots64[:, None] * stride_out + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels can run on tensors of `device`: CUDA, or the CPU under Triton's interpreter."""
+    return triton is not None and (device.type == "cuda" or (device.type == "cpu" and is_interpreted(_gate_up_kernel)))
+
+
+def _dot_options(x: torch.Tensor) -> dict[str, object]:
+    precision, upcast = dot_options(_gate_up_kernel, x.dtype)
+    return {"PRECISION": precision, "UPCAST": upcast}
+
+
+def grouped_gate_up(
+    hidden: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    slot_of_row: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_rows: torch.Tensor,
+    top_k: int,
+    config: ExpertsConfig,
+) -> torch.Tensor:
+    """act [tokens * top_k, inter] = gelu_tanh(x @ gate.T) * (x @ up.T) of each slot's token and expert."""
+    tokens, hidden_size = hidden.shape
+    inter = gate_up_proj.shape[1] // 2
+    num_slots = tokens * top_k
+    act = torch.empty(num_slots, inter, dtype=hidden.dtype, device=hidden.device)
+    grid = (block_expert.numel(), triton.cdiv(inter, config.block_n_gate_up))
+    _gate_up_kernel[grid](
+        hidden,
+        gate_up_proj,
+        act,
+        slot_of_row,
+        block_expert,
+        num_rows,
+        num_slots,
+        hidden.stride(0),
+        gate_up_proj.stride(0),
+        gate_up_proj.stride(1),
+        act.stride(0),
+        TOP_K=top_k,
+        HIDDEN=hidden_size,
+        INTER=inter,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n_gate_up,
+        BLOCK_K=config.block_k,
+        **_dot_options(hidden),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return act
+
+
+def grouped_down(
+    act: torch.Tensor,
+    down_proj: torch.Tensor,
+    weights: torch.Tensor,
+    slot_of_row: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_rows: torch.Tensor,
+    config: ExpertsConfig,
+) -> torch.Tensor:
+    """out [tokens * top_k, hidden] = (act @ down.T) * routing weight, per slot (weights: float32 [slots])."""
+    num_slots, inter = act.shape
+    hidden_size = down_proj.shape[1]
+    out = torch.empty(num_slots, hidden_size, dtype=act.dtype, device=act.device)
+    grid = (block_expert.numel(), triton.cdiv(hidden_size, config.block_n_down))
+    _down_kernel[grid](
+        act,
+        down_proj,
+        out,
+        weights,
+        slot_of_row,
+        block_expert,
+        num_rows,
+        num_slots,
+        act.stride(0),
+        down_proj.stride(0),
+        down_proj.stride(1),
+        out.stride(0),
+        HIDDEN=hidden_size,
+        INTER=inter,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n_down,
+        BLOCK_K=config.block_k,
+        **_dot_options(act),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out
