@@ -217,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(report, indent=1, allow_nan=False))
     if settings:
         print(side_by_side(workload.name, settings))
-        write_plot(workload.name, settings, args.out_dir / f"ab-{workload.name}.png")
+        try:
+            write_plot(workload.name, settings, args.out_dir / f"ab-{workload.name}.png")
+        except ImportError:  # matplotlib is optional on a GPU machine; the table and JSON hold the numbers
+            print("no plot: matplotlib is not installed", file=sys.stderr)
     print(f"\nresults: {out}")
     if problem:
         print(f"error: {problem}", file=sys.stderr)
