@@ -150,7 +150,8 @@ async def benchmark(
 
 
 def run_one(args: argparse.Namespace, run: Run, server: ServerFacts, time_limit_s: float | None = None) -> RunResult:
-    """Warm up and time one run against `server`; TimeoutError past `time_limit_s` (requests are cancelled)."""
+    """Warm up and time one run against `server`; asyncio.TimeoutError past `time_limit_s` (its requests are
+    cancelled)."""
     timed, warmup = build_requests(args, run, server.vocab_size, args.tokenizer or server.root)
     work = benchmark(args, run, server.model, timed, warmup)
     records, duration = asyncio.run(asyncio.wait_for(work, time_limit_s) if time_limit_s else work)

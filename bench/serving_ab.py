@@ -19,6 +19,7 @@ would pass it is cancelled, later ones are skipped, and what finished is still r
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import math
 import signal
@@ -102,7 +103,7 @@ def run_setting(
             remaining = deadline - time.monotonic()
             try:
                 done = bench_serving.run_one(bench_args, run, facts, remaining if math.isfinite(remaining) else None)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
                 result["error"] = f"the run at concurrency {run.concurrency} was cancelled at the time limit"
                 break
             print(bench_serving.format_summary(done.metrics, "completions", facts.model, title), flush=True)
