@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from batch_fit import BatchNeed, built_runner, kv_pools, prompt_batch, refuse_unfit, uniform_batch
 from floors import DeviceRates, decode_floor, layer_flops, measure_device_rates, prefill_floor, weight_counts
 from tqdm import tqdm
 from transformers_baseline import GreedyRun, build_transformers_model, time_transformers
@@ -173,13 +174,14 @@ def run_latency_mode(server_args: ServerArgs, args: argparse.Namespace) -> dict:
     dtype = resolve_dtype(server_args.dtype, device)
     # measured before the runner exists: its KV pools may take the memory the copy buffers need
     rates = measure_device_rates(device, dtype)
-    runner = ModelRunner(server_args)
+    runner = built_runner(server_args, batch_needs(args))
     config = runner.model_config
     batches = make_prompts(config.vocab_size, args.batch_size, args.input_len)
     latency = run_latency(runner, batches, args.output_len)
     output = latency.output
     add_floors(output["results"], config, dtype, rates, args.output_len)
     output["device_rates"] = rates.as_json()
+    output["kv_pools"] = kv_pools(runner)
     output["weights"] = {
         "counted_bytes": weight_counts(config).total * dtype.itemsize,  # what the floors are counted from
         "model_parameter_bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
@@ -278,18 +280,30 @@ def run_yoco_ab(runner: ModelRunner, batch_sizes: list[int], input_len: int, rep
     return {"device": str(runner.device), "dtype": str(runner.dtype), "yoco_ab": results[1:]}
 
 
+def batch_needs(args: argparse.Namespace, prompts: list[list[int]] | None = None) -> list[BatchNeed]:
+    """The KV each mode's batches hold at their end (see batch_fit)."""
+    if args.correctness_test:
+        return [prompt_batch(prompts, args.max_new_tokens)]
+    steps = 1 if args.yoco_ab else args.output_len + 1  # the prefill, then output_len decode steps
+    return [uniform_batch(batch_size, args.input_len, steps) for batch_size in args.batch_size]
+
+
 def main() -> None:
     args = parse_args()
     server_args = ServerArgs.from_cli(args)
     if args.baseline and (args.correctness_test or args.yoco_ab):
         raise SystemExit("--baseline applies to latency mode only (not to --correctness-test or --yoco-ab)")
+    prompts = None
     if args.correctness_test:
         if args.prompt_ids_file is None:
             raise SystemExit("--correctness-test needs --prompt-ids-file")
-        runner = ModelRunner(server_args)
-        output = run_correctness(runner, json.loads(args.prompt_ids_file.read_text()), args.max_new_tokens)
+        prompts = json.loads(args.prompt_ids_file.read_text())
+    needs = batch_needs(args, prompts)
+    refuse_unfit(server_args, needs)  # before any weight, pool or device-rate buffer is allocated
+    if args.correctness_test:
+        output = run_correctness(built_runner(server_args, needs), prompts, args.max_new_tokens)
     elif args.yoco_ab:
-        output = run_yoco_ab(ModelRunner(server_args), args.batch_size, args.input_len, args.repeats)
+        output = run_yoco_ab(built_runner(server_args, needs), args.batch_size, args.input_len, args.repeats)
         for row in output["yoco_ab"]:
             print(
                 f"batch {row['batch_size']:4d} x {row['input_len']} tokens: prefill YOCO on"

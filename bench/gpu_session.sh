@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in as few device calls as possible:
 #
-#     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase yoco layouts norm moe serving profile)
+#     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase yoco layouts norm moe serving
+#                                              serving_ab serving_ref profile)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
 # serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
@@ -105,6 +106,29 @@ stage_serving() {  # 30 prompts x 7000 input / 10 output tokens at full concurre
     kill -TERM $server
     wait $server
     tail -5 "$RESULTS/server.log"
+}
+
+stage_serving_ab() {  # named workloads with YOCO on and off side by side, a fresh server per setting
+    # AB_WORKLOADS: run in turn (default fast-prefill yoco-30x7000; chat and summarize run YOCO on only unless
+    # AB_YOCO="on off"); AB_MODEL (default E4B); AB_TIMEOUT: seconds per workload, default 260 so that the two
+    # defaults fit one 10-minute device call (each takes ~2-3 minutes: two server starts of ~45 s and the runs);
+    # SERVER_ARGS: extra server flags. Results: $RESULTS/ab-WORKLOAD.{json,png,txt}, server logs ab-*-yoco-*.log
+    for workload in ${AB_WORKLOADS:-fast-prefill yoco-30x7000}; do
+        limit=${AB_TIMEOUT:-260}
+        yoco="" && [ -n "${AB_YOCO:-}" ] && yoco="--yoco $AB_YOCO"
+        # serving_ab stops at --time-limit by itself (reporting what finished); `timeout` is the backstop
+        timeout -k 10 "$limit" python3 bench/serving_ab.py --workload "$workload" $yoco --time-limit $((limit - 25)) \
+            --out-dir "$RESULTS" --model gemma-4-${AB_MODEL:-E4B}-it --load-format dummy \
+            --log-interval ${LOG_INTERVAL:-10} ${SERVER_ARGS:-} >"$RESULTS/ab-$workload.txt" 2>"$RESULTS/ab-$workload.err"
+        echo "serving_ab $workload: exit $?"
+        sed -n "/^$workload: concurrency/,\$p" "$RESULTS/ab-$workload.txt"
+        grep -E "^error" "$RESULTS/ab-$workload.err"
+    done
+}
+
+stage_serving_ref() {  # bench_one_batch at fast-prefill's shapes: the decode step its TPOT should come close to
+    timeout 300 $BENCH --model-path gemma-4-${AB_MODEL:-E4B}-it --batch-size 8 32 --input-len 8192 --output-len 32 \
+        --json "$RESULTS/serving-ref-${AB_MODEL:-E4B}.json" 2>&1 | grep -E "^batch|Error|error"
 }
 
 stage_profile() {  # where time goes, kernel by kernel (eager by default; PROFILE_GRAPHS=1 profiles replays)

@@ -25,10 +25,11 @@ REPO = Path(__file__).resolve().parents[1]
 def bench(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     """The bench modules, imported with bench/ first on sys.path as `python bench/<script>.py` has it."""
     monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import batch_fit
     import floors
     import transformers_baseline
 
-    return SimpleNamespace(floors=floors, baseline=transformers_baseline)
+    return SimpleNamespace(floors=floors, baseline=transformers_baseline, fit=batch_fit)
 
 
 def test_correctness_mode_writes_greedy_outputs_of_the_batch(tiny_checkpoint, tmp_path) -> None:
@@ -90,6 +91,66 @@ def test_latency_mode_with_transformers_baseline_reports_speedups_and_floors(tin
     # a second request doubles the FLOPs; the weights are read once for both
     assert rows[1]["prefill_floor"]["flops"] == pytest.approx(2 * rows[0]["prefill_floor"]["flops"])
     assert rows[0]["prefill_floor"]["bytes"] < rows[1]["prefill_floor"]["bytes"] < 2 * rows[0]["prefill_floor"]["bytes"]
+
+
+def run_script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(REPO / "bench" / "bench_one_batch.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_batch_the_kv_pools_cannot_hold_is_refused_before_the_model_is_built() -> None:
+    """31B at batch 32 x (512 + 32) on CPU: 17,408 tokens in both pools; the CPU default gives 16,384 full and
+    13,107 sliding-window tokens. Building 31B's weights on CPU would take minutes and ~115 GiB: the refusal
+    comes from the plan alone, in seconds."""
+    done = run_script(
+        "--model-path", "gemma-4-31B-it", "--load-format", "dummy", "--device", "cpu", "--batch-size", "32",
+        "--input-len", "512", "--output-len", "32", timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "batch 32 x (512 prompt + 32 generated) tokens = 17,408 KV tokens do not fit" in done.stderr
+    assert "full 16,384 and swa 13,107 tokens" in done.stderr
+    assert "Fits with: --max-total-tokens 17408 --swa-full-tokens-ratio 1" in done.stderr
+
+
+def test_the_suggested_pool_flags_reach_the_runner_and_fit_exactly(tiny_checkpoint, tmp_path) -> None:
+    """Batch 2 x (20 + 8) holds 56 tokens at its end: 56 tokens in each pool run it, 55 are refused."""
+    path, out_file = tiny_checkpoint("tiny-gemma-4-E4B-it"), tmp_path / "latency.json"
+    common = ["--model-path", str(path), "--device", "cpu", "--dtype", "float32", "--batch-size", "1", "2"]
+    common += ["--input-len", "20", "--output-len", "8", "--swa-full-tokens-ratio", "1"]
+    refused = run_script(*common, "--max-total-tokens", "55")
+    assert refused.returncode == 1 and "56 KV tokens do not fit the KV pools: full 55 and swa 55" in refused.stderr
+    done = run_script(*common, "--max-total-tokens", "56", "--json", str(out_file))
+    assert done.returncode == 0, done.stderr[-2000:]
+    output = json.loads(out_file.read_text())
+    assert output["kv_pools"] == {"full_tokens": 56, "swa_tokens": 56, "sized_by": "max_total_tokens"}
+    assert [row["batch_size"] for row in output["results"]] == [1, 2]
+
+
+def test_gpu_plan_refusal_names_a_memory_fraction_that_fits(bench) -> None:
+    """31B on an 80 GB H100 (79.2 GiB as torch reports it), bf16, the default fraction 0.85 and SWA ratio 0.8:
+    the pools hold 14,760 full and 11,808 sliding-window tokens, fewer than batch 32 x 544."""
+    from srt.server_args import ServerArgs
+
+    h100 = 85_031_714_816
+    need = bench.fit.uniform_batch(32, 512, 33)
+    assert (need.total_tokens, need.request_tokens) == (32 * 544, 544)
+    args = ServerArgs(model_path="gemma-4-31B-it", load_format="dummy")
+    with pytest.raises(SystemExit, match="full 14,760 and swa 11,808 tokens") as refusal:
+        bench.fit.refuse_unfit(args, [need], gpu_memory_bytes=h100)
+    message = str(refusal.value)
+    assert "--mem-fraction-static 0.85 of 79.2 GiB of GPU memory" in message
+    assert "Fits with: --swa-full-tokens-ratio 1 --mem-fraction-static 0.91" in message
+    fitting = ServerArgs(model_path="gemma-4-31B-it", swa_full_tokens_ratio=1, mem_fraction_static=0.91)
+    bench.fit.refuse_unfit(fitting, [need], gpu_memory_bytes=h100)
+    short = ServerArgs(model_path="gemma-4-31B-it", swa_full_tokens_ratio=1, mem_fraction_static=0.90)
+    with pytest.raises(SystemExit, match="17,408 KV tokens do not fit"):
+        bench.fit.refuse_unfit(short, [need], gpu_memory_bytes=h100)
+    rows = ServerArgs("gemma-4-31B-it", swa_full_tokens_ratio=1, mem_fraction_static=0.91, max_running_requests=16)
+    with pytest.raises(SystemExit, match="batch 32 > --max-running-requests 16.*Fits with: --max-running-requests 32"):
+        bench.fit.refuse_unfit(rows, [need], gpu_memory_bytes=h100)
+    too_many = ServerArgs(model_path="gemma-4-31B-it", max_total_tokens=20000)
+    with pytest.raises(SystemExit, match="max_total_tokens 20000 needs 13.73 GiB of KV but only 10.13 GiB"):
+        bench.fit.refuse_unfit(too_many, [need], gpu_memory_bytes=h100)
 
 
 @pytest.mark.parametrize("preset", presets.preset_names())

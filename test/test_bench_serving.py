@@ -25,6 +25,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _load_bench():
+    # bench/ first on sys.path, as `python bench/bench_serving.py` has it: its sibling modules import by name
+    if str(SCRIPT.parent) not in sys.path:
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("bench_serving", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules["bench_serving"] = module  # dataclasses resolve their module through sys.modules
@@ -78,6 +81,36 @@ def test_compute_metrics_counts_only_completed_requests() -> None:
     assert metrics.ttft_ms.mean == pytest.approx(150.0) and metrics.e2e_ms.mean == pytest.approx(350.0)
 
 
+def test_arrival_timings_split_a_chunk_of_several_tokens_into_equal_gaps() -> None:
+    ttft, gaps = bench.arrival_timings(0.8, [(1.0, 2), (1.5, 1), (2.1, 3)])
+    assert ttft == pytest.approx(0.2)  # the first chunk's second token adds no gap: nothing times it apart
+    assert gaps == pytest.approx([0.5, 0.2, 0.2, 0.2])
+    assert bench.arrival_timings(0.0, [(0.3, 1)]) == (pytest.approx(0.3), [])
+
+
+def test_workloads_set_lengths_and_runs_and_explicit_flags_win() -> None:
+    Run = bench.Run
+    args = bench.parse_args(["--workload", "fast-prefill"])
+    assert (args.random_input_len, args.random_output_len, args.random_range_ratio) == (8192, 150, 1.0)
+    assert args.runs == [Run(8, 32, 8), Run(32, 128, 8)]
+    assert bench.parse_args(["--workload", "yoco-30x7000"]).runs == [Run(30, 30, 2)]
+    for name, lens in (("chat", (1000, 1000)), ("summarize", (8000, 1000))):
+        args = bench.parse_args(["--workload", name])
+        assert (args.random_input_len, args.random_output_len) == lens and args.runs == [Run(32, 128, 8)]
+
+    args = bench.parse_args(["--workload", "fast-prefill", "--max-concurrency", "16", "--random-input-len", "100"])
+    assert args.runs == [Run(16, 64, 8)] and (args.random_input_len, args.random_output_len) == (100, 150)
+    args = bench.parse_args(["--workload", "fast-prefill", "--num-prompts", "5", "--warmup-requests", "0"])
+    assert args.runs == [Run(8, 5, 0), Run(32, 5, 0)]
+
+    plain = bench.parse_args([])  # no workload: the flags' defaults, one run without a concurrency limit
+    assert (plain.random_input_len, plain.random_output_len, plain.runs) == (1024, 128, [Run(None, 100, 0)])
+    assert bench.run_paths(Path("out.json"), Run(8, 32, 8), args.runs) == Path("out-c8.json")
+    assert bench.run_paths(Path("out.json"), plain.runs[0], plain.runs) == Path("out.json")
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--workload", "no-such-workload"])
+
+
 def test_random_requests_lengths_and_ids() -> None:
     exact = bench.random_requests(5, 16, 4, 1.0, 50, random.Random(0))
     assert [(len(s.prompt), s.input_len, s.output_len) for s in exact] == [(16, 16, 4)] * 5
@@ -110,8 +143,8 @@ def run_bench(url: str, out: Path, *args: str) -> dict:
     command = [sys.executable, str(SCRIPT), "--base-url", url, "--output-json", str(out), "--disable-tqdm", *args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert "Serving benchmark" in done.stdout and "Output token throughput" in done.stdout
-    return json.loads(out.read_text())
+    assert "Output token throughput" in done.stdout and "Output tokens per chunk" in done.stdout
+    return {"stderr": done.stderr, **json.loads(out.read_text())} if out.exists() else {"stderr": done.stderr}
 
 
 def test_completions_run_sends_exact_lengths_and_reports_every_metric(server, model, tmp_path) -> None:
@@ -147,3 +180,21 @@ def test_chat_run_with_poisson_arrivals(server, tmp_path) -> None:
     metrics = report["metrics"]
     assert (metrics["completed"], metrics["failed"], metrics["total_output_tokens"]) == (3, 0, 9)
     assert all(r["input_len"] > 0 for r in report["requests"])  # the templated prompt, as the server counted it
+
+
+def test_workload_runs_with_tokens_counted_by_logprobs(server, tmp_path) -> None:
+    """`--workload smoke`: two runs (concurrency 2 with 4 prompts, 4 with 8; one warm-up each), each to its own
+    JSON. With --stream-logprobs every token is timed, including tokens whose text the server holds back."""
+    before = generated_total(server.url)
+    report = run_bench(server.url, tmp_path / "smoke.json", "--workload", "smoke", "--stream-logprobs")
+    assert "defined with the radix cache off" in report["stderr"]  # this server runs with it on
+    assert generated_total(server.url) - before == (4 + 1 + 8 + 1) * 4
+    for concurrency, prompts in ((2, 4), (4, 8)):
+        run = json.loads((tmp_path / f"smoke-c{concurrency}.json").read_text())
+        assert (run["config"]["max_concurrency"], run["config"]["num_prompts"]) == (concurrency, prompts)
+        metrics = run["metrics"]
+        counts = (metrics["completed"], metrics["total_output_tokens"], metrics["tokens_per_chunk"])
+        assert counts == (prompts, 4 * prompts, 1.0)
+        for record in run["requests"]:
+            assert record["input_len"] == 32 and record["output_tokens"] == record["chunks"] == 4
+            assert len(record["itl_s"]) == 3

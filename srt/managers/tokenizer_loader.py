@@ -1,5 +1,8 @@
 """The tokenizer a server uses: the checkpoint's own, or, for a dummy preset, a stand-in built locally.
 
+Tiny presets get the 1,024-token test tokenizer (`tokenizer_builder`); published presets get a stand-in of
+their whole vocabulary (`standin_tokenizer`), so a random model's every token decodes to text.
+
 The detokenizer process only decodes. Where the checkpoint's `tokenizer.json` decodes exactly as its
 transformers tokenizer does (no clean-up of spaces afterwards), it uses the `tokenizers` library directly:
 importing transformers (and with it torch) would double the process's start-up time for nothing.
@@ -18,27 +21,39 @@ logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(server_args: ServerArgs):
-    """`--tokenizer-path`, else the model directory; a dummy preset gets the tiny byte-level BPE tokenizer."""
+    """`--tokenizer-path`, else the model directory; a dummy preset gets a stand-in (`_standin_vocab_size`)."""
     from transformers import AutoTokenizer
 
     from srt.configs import presets
-    from srt.tools import tokenizer_builder
+    from srt.tools import standin_tokenizer, tokenizer_builder
 
     path = server_args.tokenizer_path or server_args.model_path
     if Path(path).is_dir():
         return AutoTokenizer.from_pretrained(path)
     if presets.is_preset(path):
         config = presets.preset_text_config(path)
-        if config.vocab_size != presets.TINY_VOCAB_SIZE:
-            # The stand-in covers ids below TINY_VOCAB_SIZE only; larger ids decode to nothing.
-            logger.warning(
-                "preset %s has no tokenizer: using the %d-token test tokenizer; pass --tokenizer-path for real text",
-                path,
-                presets.TINY_VOCAB_SIZE,
-            )
         empty_thought_channel = tokenizer_builder.opens_empty_thought_channel(config)
-        return tokenizer_builder.build_tokenizer(presets.TINY_VOCAB_SIZE, empty_thought_channel=empty_thought_channel)
+        if config.vocab_size == presets.TINY_VOCAB_SIZE:
+            return tokenizer_builder.build_tokenizer(config.vocab_size, empty_thought_channel=empty_thought_channel)
+        logger.warning(
+            "preset %s has no tokenizer: using a %d-token stand-in (every id decodes to a synthetic piece such as"
+            " ' ~5m9r'); pass --tokenizer-path for real text",
+            path,
+            config.vocab_size,
+        )
+        return standin_tokenizer.load_standin_tokenizer(config.vocab_size, empty_thought_channel)
     return AutoTokenizer.from_pretrained(path)
+
+
+def _standin_vocab_size(path: str) -> int | None:
+    """The vocabulary of a published preset's full-size stand-in; None for anything else (tiny presets included:
+    their 1,024-token test tokenizer is built in memory by `tokenizer_builder`)."""
+    from srt.configs import presets
+
+    if Path(path).is_dir() or not presets.is_preset(path):
+        return None
+    vocab_size = presets.preset_text_kwargs(path)["vocab_size"]
+    return None if vocab_size == presets.TINY_VOCAB_SIZE else vocab_size
 
 
 class TokenizersDecoder:
@@ -61,4 +76,9 @@ def load_decoder(server_args: ServerArgs):
             from tokenizers import Tokenizer
 
             return TokenizersDecoder(Tokenizer.from_file(str(tokenizer_file)))
+    standin_vocab_size = _standin_vocab_size(str(path))
+    if standin_vocab_size is not None:  # its pipeline decodes exactly as the transformers wrapper does
+        from srt.tools.standin_tokenizer import load_backend
+
+        return TokenizersDecoder(load_backend(standin_vocab_size))
     return load_tokenizer(server_args)

@@ -4,12 +4,14 @@ The BPE is trained with the `tokenizers` library on the original text under `srt
 control tokens keep their published ids wherever those ids fit in the tiny vocabulary (`<pad>`=0, `<eos>`=1,
 `<bos>`=2, `<unk>`=3, `<|turn>`=105, `<turn|>`=106, ...); the multimodal markers, whose published ids are
 above 255999, take the last ids of the vocabulary in their published order. Every other id holds a trained
-token, so the vocabulary is exactly `vocab_size` entries with no holes.
+token, so the vocabulary is exactly `vocab_size` entries with no holes. The full-vocabulary stand-in of the
+published presets (`standin_tokenizer`) reuses the trained tokens and puts every special at its published id.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -45,6 +47,8 @@ _LOW_ID_TOKENS: dict[int, str] = {
 }
 # Published ids 255999, 256000 and 258880..258884, in that order; they go to the top of the tiny vocabulary.
 _MULTIMODAL_TOKENS = ("<|image>", "<|audio>", "<|image|>", "<|audio|>", "<image|>", "<audio|>", "<|video|>")
+# transformers' Gemma4Config: boi 255999, boa 256000, image 258880, audio 258881, eoi 258882, eoa 258883, video 258884.
+PUBLISHED_MULTIMODAL_IDS = (255_999, 256_000, 258_880, 258_881, 258_882, 258_883, 258_884)
 
 # Named special tokens that Gemma 4's tokenizer_config.json exposes as attributes (`tokenizer.sot_token`).
 _NAMED_TOKENS = {
@@ -79,8 +83,15 @@ def special_token_ids(vocab_size: int) -> dict[str, int]:
     return ids
 
 
+def published_special_token_ids() -> dict[str, int]:
+    """Every special token at its id in the published Gemma 4 tokenizer (262,144 entries)."""
+    ids = {token: token_id for token_id, token in _LOW_ID_TOKENS.items()}
+    ids.update(zip(_MULTIMODAL_TOKENS, PUBLISHED_MULTIMODAL_IDS))
+    return ids
+
+
 @cache
-def _trained_bpe(num_trained: int) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
+def trained_bpe(num_trained: int) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[str, str], ...]]:
     """Train a byte-level BPE of exactly `num_trained` tokens; returns (vocab by trained id, merges).
 
     Cached: the four tiny presets share one tokenizer and training is the same for each.
@@ -110,10 +121,15 @@ def _trained_bpe(num_trained: int) -> tuple[tuple[tuple[str, int], ...], tuple[t
 def build_backend_tokenizer(vocab_size: int) -> Tokenizer:
     """The `tokenizers` pipeline: specials at fixed ids, trained tokens filling every other id in order."""
     specials = special_token_ids(vocab_size)
-    trained, merges = _trained_bpe(vocab_size - len(specials))
+    trained, merges = trained_bpe(vocab_size - len(specials))
     free_ids = (i for i in range(vocab_size) if i not in specials.values())
     vocab = dict(specials)
     vocab.update({token: next(free_ids) for token, _ in trained})
+    return backend_from_vocab(vocab, merges, specials)
+
+
+def backend_from_vocab(vocab: dict[str, int], merges: Sequence[tuple[str, str]], specials: dict[str, int]) -> Tokenizer:
+    """A byte-level BPE pipeline over `vocab` whose `specials` are special added tokens; it prepends `<bos>`."""
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=list(merges), unk_token=UNK))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -145,8 +161,13 @@ def chat_template(empty_thought_channel: bool) -> str:
 
 def build_tokenizer(vocab_size: int, empty_thought_channel: bool = False) -> PreTrainedTokenizerFast:
     """A transformers fast tokenizer that adds `<bos>` and carries the Gemma 4 chat template."""
+    return wrap_backend(build_backend_tokenizer(vocab_size), empty_thought_channel)
+
+
+def wrap_backend(backend: Tokenizer, empty_thought_channel: bool = False) -> PreTrainedTokenizerFast:
+    """`backend` as a transformers fast tokenizer with Gemma 4's named special tokens and chat template."""
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=build_backend_tokenizer(vocab_size),
+        tokenizer_object=backend,
         bos_token=BOS,
         eos_token=EOS,
         unk_token=UNK,

@@ -1,0 +1,156 @@
+"""The requests of `bench_serving.py`: random token-id prompts, one streamed request timed chunk by chunk, and
+a run of many with Poisson arrivals and a concurrency limit."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import openai
+from serving_metrics import RequestRecord, arrival_timings
+from tqdm import tqdm
+
+FIRST_SAFE_TOKEN_ID = 3  # Gemma: 0 <pad>, 1 <eos>, 2 <bos>
+
+
+@dataclass
+class RequestSpec:
+    """One request to send: a prompt (token ids, or text for chat) and the output length to ask for."""
+
+    prompt: list[int] | str
+    input_len: int
+    output_len: int
+
+
+# ---- dataset ----------------------------------------------------------------------------------------------
+def sample_len(rng: random.Random, length: int, range_ratio: float) -> int:
+    """A length uniform in [range_ratio * length, length] (at least 1)."""
+    return rng.randint(max(1, int(range_ratio * length)), max(1, length))
+
+
+def random_requests(
+    num: int, input_len: int, output_len: int, range_ratio: float, vocab_size: int, rng: random.Random
+) -> list[RequestSpec]:
+    """`num` prompts of random token ids in [FIRST_SAFE_TOKEN_ID, vocab_size) with random lengths."""
+    specs = []
+    for _ in range(num):
+        n_in, n_out = sample_len(rng, input_len, range_ratio), sample_len(rng, output_len, range_ratio)
+        ids = [rng.randrange(FIRST_SAFE_TOKEN_ID, vocab_size) for _ in range(n_in)]
+        specs.append(RequestSpec(ids, n_in, n_out))
+    return specs
+
+
+def as_chat_text(specs: list[RequestSpec], tokenizer_path: str) -> list[RequestSpec]:
+    """The same requests with their ids decoded to text (chat messages carry text, not ids)."""
+    from transformers import AutoTokenizer  # only the chat backend needs a tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    return [RequestSpec(tokenizer.decode(s.prompt, skip_special_tokens=True), s.input_len, s.output_len) for s in specs]
+
+
+# ---- one request ------------------------------------------------------------------------------------------
+async def open_stream(
+    client: openai.AsyncOpenAI, backend: str, model: str, spec: RequestSpec, logprobs: bool = False
+) -> openai.AsyncStream:
+    """Start one streamed request that asks for exactly `spec.output_len` tokens (and logprobs if asked)."""
+    common = {
+        "model": model,
+        "max_tokens": spec.output_len,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "extra_body": {"ignore_eos": True},
+    }
+    if backend == "chat":
+        if logprobs:
+            common["logprobs"] = True
+        return await client.chat.completions.create(messages=[{"role": "user", "content": spec.prompt}], **common)
+    if logprobs:
+        common["logprobs"] = 0  # the chosen token's logprob only
+    # Token ids travel in extra_body, which the SDK sends as it is: passed as `prompt`, the SDK type-checks
+    # every id in Python (~0.1 s per 7000 ids) on the event loop that is timing the other requests.
+    common["extra_body"] = {**common["extra_body"], "prompt": spec.prompt}
+    return await client.completions.create(prompt="", **common)
+
+
+def carries_output(choice: Any) -> bool:
+    """Whether a streamed choice is output: text, or the end (not chat's opening role-only delta)."""
+    text = choice.delta.content if hasattr(choice, "delta") else choice.text
+    return bool(text) or choice.finish_reason is not None
+
+
+def chunk_tokens(choice: Any, by_logprobs: bool) -> int:
+    """Output tokens a streamed choice carries: its logprob entries when they were asked for, else 1 for any
+    output (one chunk, one token)."""
+    if not by_logprobs:
+        return int(carries_output(choice))
+    if choice.logprobs is None:
+        return 0
+    entries = choice.logprobs.content if hasattr(choice, "delta") else choice.logprobs.tokens
+    return len(entries or [])
+
+
+async def send_request(
+    client: openai.AsyncOpenAI, backend: str, model: str, spec: RequestSpec, logprobs: bool = False
+) -> RequestRecord:
+    """Send one request, time its chunks; a failure is recorded, not raised."""
+    record = RequestRecord(input_len=spec.input_len, output_len=spec.output_len)
+    arrivals: list[tuple[float, int]] = []  # (time, tokens) of each chunk that carried output
+    usage = None
+    start = time.perf_counter()
+    try:
+        stream = await open_stream(client, backend, model, spec, logprobs)
+        async for chunk in stream:
+            now = time.perf_counter()
+            usage = chunk.usage or usage
+            tokens = sum(chunk_tokens(choice, logprobs) for choice in chunk.choices)
+            if tokens:
+                arrivals.append((now, tokens))
+        record.e2e_s = time.perf_counter() - start
+    except Exception as error:  # any failure of one request is a data point, not the end of the run
+        record.error = f"{type(error).__name__}: {error}"
+        return record
+    if not arrivals:
+        record.error = "the stream ended without output"
+        return record
+    record.ttft_s, record.itl_s = arrival_timings(start, arrivals)
+    record.chunks = len(arrivals)
+    record.output_tokens = usage.completion_tokens if usage else sum(tokens for _, tokens in arrivals)
+    record.input_len = usage.prompt_tokens if usage else spec.input_len
+    record.success = True
+    return record
+
+
+# ---- the run ----------------------------------------------------------------------------------------------
+async def run_requests(
+    client: openai.AsyncOpenAI,
+    args: argparse.Namespace,
+    model: str,
+    specs: list[RequestSpec],
+    request_rate: float,
+    max_concurrency: int | None,
+    rng: random.Random,
+    progress: tqdm | None = None,
+) -> list[RequestRecord]:
+    """Send `specs` with Poisson arrivals at `request_rate` (inf: all at once), at most `max_concurrency` open."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
+
+    async def one(spec: RequestSpec) -> RequestRecord:
+        async with limit:
+            record = await send_request(client, args.backend, model, spec, args.stream_logprobs)
+        if progress is not None:
+            progress.update(1)
+        return record
+
+    tasks = []
+    for i, spec in enumerate(specs):
+        tasks.append(asyncio.create_task(one(spec)))
+        if math.isfinite(request_rate) and i + 1 < len(specs):
+            await asyncio.sleep(rng.expovariate(request_rate))  # exponential gaps: a Poisson process
+    return list(await asyncio.gather(*tasks))
