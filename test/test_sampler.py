@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from srt.sampling import SamplingParams
+from srt.sampling.batch_sampler import BatchSampler, RequestSampling
 from srt.sampling.sampler import (
     PenaltyState,
     SamplingBatch,
@@ -230,3 +231,41 @@ def test_build_rejects_mismatched_generators_and_logits_shape() -> None:
         _batch([SamplingParams()] * 2, 10, generators=[None])
     with pytest.raises(ValueError, match="logits shape"):
         sample(torch.zeros(2, 9), _batch([SamplingParams()] * 2, 10))
+
+
+def test_batch_sampler_records_each_step_as_a_fresh_build_would_see_it() -> None:
+    """Built once and stepped, the sampler's history equals one rebuilt from the host's ids before every step:
+    the same tokens under penalties, min_new_tokens and seeded draws."""
+    vocab, steps = 40, 6
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.5),
+        SamplingParams(temperature=0.8, frequency_penalty=0.7, presence_penalty=0.4, seed=7),
+        SamplingParams(temperature=0, min_new_tokens=3),
+        SamplingParams(temperature=1.0, top_k=5, seed=3),
+    ]
+    prompts = [[2, 5, 9], [4], [1, 1], [7, 8]]
+    logits = [torch.randn(len(params), vocab, generator=torch.Generator().manual_seed(s)) * 2 for s in range(steps)]
+    for step_logits in logits:
+        step_logits[2, EOS] = 50.0  # row 2 wants EOS at once: min_new_tokens must hold it back for 3 steps
+
+    def requests(outputs: list[list[int]], seeds: list[torch.Generator | None]) -> list[RequestSampling]:
+        return [
+            RequestSampling(p, g, prompt, out, True, 2) for p, g, prompt, out in zip(params, seeds, prompts, outputs)
+        ]
+
+    def generators() -> list[torch.Generator | None]:
+        return [make_generator(p.seed, CPU) if p.seed is not None else None for p in params]
+
+    kept_outputs: list[list[int]] = [[] for _ in params]
+    kept = BatchSampler.build(requests(kept_outputs, generators()), vocab, CPU, [EOS], make_generator(0, CPU))
+    fresh_outputs: list[list[int]] = [[] for _ in params]
+    fresh_generators, default = generators(), make_generator(0, CPU)
+    for step_logits in logits:
+        for row, token in enumerate(kept.sample(step_logits).next_token_ids.tolist()):
+            kept_outputs[row].append(token)
+        fresh = BatchSampler.build(requests(fresh_outputs, fresh_generators), vocab, CPU, [EOS], default)
+        for row, token in enumerate(fresh.sample(step_logits).next_token_ids.tolist()):
+            fresh_outputs[row].append(token)
+    assert kept_outputs == fresh_outputs
+    assert EOS not in kept_outputs[2][:3] and kept_outputs[2][3] == EOS
+    assert len(set(kept_outputs[0])) == steps  # the repetition penalty moved greedy off its repeats

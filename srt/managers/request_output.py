@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -10,56 +9,41 @@ import torch
 from srt.forward.host_device import DeviceToHost
 from srt.managers.io_struct import FinishReason, ReqOutput, TokenLogprob
 from srt.managers.schedule_batch import Req, ScheduledReq
-from srt.sampling.sampler import PenaltyState, SamplingBatch, logprobs_of, sample, top_logprobs
+from srt.sampling.batch_sampler import BatchSampler, RequestSampling
+from srt.sampling.sampler import logprobs_of, top_logprobs
 
 
 @dataclass
 class SampledTokens:
     """One token per request, drawn on the device; the host reads them with `append_samples`."""
 
-    sampling: SamplingBatch  # reuse it while the same requests decode
     next_ids: torch.Tensor  # [reqs] on the device: an overlapped decode step's input ids
     copies: DeviceToHost  # next ids, then logprobs and top-k ids and values where asked for
     has_logprobs: bool
     has_top_logprobs: bool
 
 
-def sample_batch(
-    reqs: list[Req],
-    logits: torch.Tensor,
-    eos_ids: Iterable[int],
-    default_generator: torch.Generator | None,
-    sampling: SamplingBatch | None = None,
-    greedy_ids: torch.Tensor | None = None,
-) -> SampledTokens:
+def request_sampling(req: Req) -> RequestSampling:
+    """What the sampler needs of `req`."""
+    params = req.params
+    return RequestSampling(
+        params.sampling_params, req.generator, req.prompt_ids, req.output_ids, params.return_logprob,
+        params.top_logprobs_num,
+    )  # fmt: skip
+
+
+def sample_tokens(sampler: BatchSampler, logits: torch.Tensor, greedy_ids: torch.Tensor | None) -> SampledTokens:
     """Sample one token per request from its row of `logits`, on the device, and start copying the tokens
     (with logprobs if asked) to the host. `greedy_ids`: each row's argmax, where the model's logits kernel
-    found it (see `sample`). Nothing here waits for the device.
-
-    Pass the returned `sampling` back as `sampling` while the requests stay the same (decode steps) to skip
-    rebuilding it. Penalties read the requests' output so far: append the previous step's tokens first.
-    """
-    batch = sampling or SamplingBatch.build(
-        [req.params.sampling_params for req in reqs],
-        vocab_size=logits.shape[-1],
-        device=logits.device,
-        eos_token_ids=sorted(eos_ids),
-        generators=[req.generator for req in reqs],
-        default_generator=default_generator,
-    )
-    penalties = None
-    if batch.needs_penalty_state:
-        penalties = PenaltyState.build(batch, [req.prompt_ids for req in reqs], [req.output_ids for req in reqs])
-    want_logprobs = any(req.params.return_logprob for req in reqs)
-    top_k = max(req.params.top_logprobs_num for req in reqs)
-    out = sample(logits, batch, penalties, top_k, want_logprobs, greedy_ids)
+    found it. Nothing here waits for the device."""
+    out = sampler.sample(logits, greedy_ids)
     tensors = [out.next_token_ids]
     if out.logprobs is not None:
         tensors.append(out.logprobs)
     if out.top_logprobs is not None:
         tensors += [out.top_logprobs.ids, out.top_logprobs.values]
     has_top = out.top_logprobs is not None
-    return SampledTokens(batch, out.next_token_ids, DeviceToHost(tensors), out.logprobs is not None, has_top)
+    return SampledTokens(out.next_token_ids, DeviceToHost(tensors), out.logprobs is not None, has_top)
 
 
 def append_samples(reqs: list[Req], sampled: SampledTokens) -> None:

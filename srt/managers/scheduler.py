@@ -14,8 +14,8 @@ before the host reads step n's tokens; the host's bookkeeping runs while the GPU
 A request that finished at step n has run in step n + 1 too: that token is dropped, and the KV it wrote
 (of the request's last token, valid) goes to the cache with the rest when the request is released. Steps
 run in stream order, so KV freed on the host while a step still runs is only reused by later steps.
-Anything else (a new request, an abort, a short pool, penalties that read step n's token) first finishes
-the step in flight.
+Anything else (a new request, an abort, a short pool) first finishes the step in flight. Penalties do not:
+the sampler records each step's tokens on the device (`sampling/batch_sampler.py`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from srt.managers.request_output import (
     collect_output,
     finish_check,
     record_prompt_logprobs,
-    sample_batch,
+    request_sampling,
+    sample_tokens,
 )
 from srt.managers.schedule_batch import Req, ScheduleBatch, ScheduledReq
 from srt.managers.schedule_policy import PrefillBudget, order_waiting
@@ -42,7 +43,8 @@ from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.swa_radix_cache import SWARadixCache
 from srt.mem_cache.swa_window import out_of_window_upto
 from srt.model_executor.model_runner import ModelRunner
-from srt.sampling.sampler import SamplingBatch, make_generator
+from srt.sampling.batch_sampler import BatchSampler
+from srt.sampling.sampler import make_generator
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -77,8 +79,8 @@ class Scheduler:
         self.num_retractions = 0
         # requests without a seed of their own draw from this one, seeded by --seed
         self.default_generator = make_generator(server_args.seed, self.runner.device)
-        # the last SamplingBatch with the requests it was built for (decode steps reuse it)
-        self._sampling: tuple[list[Req], SamplingBatch] | None = None
+        # the sampler of the last sampled requests, kept while the same requests decode
+        self._sampler: tuple[list[Req], BatchSampler] | None = None
         self.overlap = not server_args.disable_overlap_schedule
         self._in_flight: _Launched | None = None  # a decode step launched, its tokens not read yet
 
@@ -224,7 +226,7 @@ class Scheduler:
     def _continued_decode(self, previous: _Launched) -> ScheduleBatch | None:
         """The decode step after `previous`, launched before its tokens are read; None when anything changed."""
         reqs = previous.sampled_reqs
-        if previous.batch.mode != ForwardMode.DECODE or self.waiting or previous.sampled.sampling.needs_penalty_state:
+        if previous.batch.mode != ForwardMode.DECODE or self.waiting:
             return None
         if len(reqs) != len(self.running) or any(a is not b for a, b in zip(reqs, self.running, strict=True)):
             return None  # a request was aborted
@@ -308,15 +310,23 @@ class Scheduler:
         return outputs
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor, greedy_ids: torch.Tensor | None) -> SampledTokens:
-        """Sample the requests' next tokens; the SamplingBatch is reused while the same requests decode."""
-        cached = None
-        if self._sampling is not None and len(self._sampling[0]) == len(reqs):
-            # by identity: the cache holds its requests, so a new request cannot take an old one's place
-            same = all(a is b for a, b in zip(self._sampling[0], reqs, strict=True))
-            cached = self._sampling[1] if same else None
-        sampled = sample_batch(reqs, logits, self.eos_ids, self.default_generator, cached, greedy_ids)
-        self._sampling = (reqs, sampled.sampling)
-        return sampled
+        """Sample the requests' next tokens with the sampler of this composition (built when it changes)."""
+        sampler = None
+        if self._sampler is not None and len(self._sampler[0]) == len(reqs):
+            # by identity: the list holds its requests, so a new request cannot take an old one's place; the
+            # same requests sampled in the step before, so the sampler's history is theirs to this step
+            same = all(a is b for a, b in zip(self._sampler[0], reqs, strict=True))
+            sampler = self._sampler[1] if same else None
+        if sampler is None:
+            sampler = BatchSampler.build(
+                [request_sampling(req) for req in reqs],
+                vocab_size=logits.shape[-1],
+                device=logits.device,
+                eos_token_ids=sorted(self.eos_ids),
+                default_generator=self.default_generator,
+            )
+        self._sampler = (reqs, sampler)
+        return sample_tokens(sampler, logits, greedy_ids)
 
     def _cache_prefill(self, req: Req) -> None:
         """After a prefill forward: the request's tokens so far go to the cache; it keeps them locked."""
