@@ -38,8 +38,10 @@ class Req:
 
 
 def tree_contents(cache: RadixCache | ChunkCache) -> dict[tuple[int, ...], int]:
-    """{prefix: slot of its last token} read off the tree without touching it."""
+    """{prefix: slot of its last token} read off the tree without touching it (the chunk cache holds none)."""
     out: dict[tuple[int, ...], int] = {}
+    if isinstance(cache, ChunkCache):
+        return out
     stack = [((), child) for child in cache.root.children.values()]
     while stack:
         prefix, node = stack.pop()

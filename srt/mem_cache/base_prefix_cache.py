@@ -31,21 +31,25 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from srt.mem_cache.allocator import SWATokenAllocator, TokenSlotAllocator
 
-if TYPE_CHECKING:
-    from srt.mem_cache.radix_cache import TreeNode
+
+class CacheHandle:
+    """What a match hands out to lock and unlock the prefix it found: opaque to callers, each cache's own node
+    (the radix tree's `TreeNode` subclasses it)."""
+
+    __slots__ = ()
 
 
 class MatchResult(NamedTuple):
-    """A cached prefix: its full-pool slots and the node that ends it (the handle to lock / unlock)."""
+    """A cached prefix: its full-pool slots and the handle that ends it (to lock / unlock)."""
 
     slots: torch.Tensor  # int64, one full-pool slot per matched token
-    node: TreeNode
+    node: CacheHandle
 
     @property
     def prefix_len(self) -> int:
@@ -81,11 +85,11 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
-    def lock(self, node: TreeNode) -> None:
+    def lock(self, node: CacheHandle) -> None:
         """Protect `node` and its ancestors from eviction (one lock per running request)."""
 
     @abstractmethod
-    def unlock(self, node: TreeNode) -> None:
+    def unlock(self, node: CacheHandle) -> None:
         """Undo one `lock(node)`; raises ValueError if `node` is not locked."""
 
     @abstractmethod

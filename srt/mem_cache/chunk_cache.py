@@ -13,6 +13,7 @@ import torch
 
 from srt.mem_cache.allocator import SWATokenAllocator, TokenSlotAllocator
 from srt.mem_cache.base_prefix_cache import (
+    CacheHandle,
     CacheStats,
     MatchResult,
     PrefixCache,
@@ -20,17 +21,16 @@ from srt.mem_cache.base_prefix_cache import (
     check_swa_partition,
     full_pool_of,
 )
-from srt.mem_cache.radix_cache import TreeNode
 
 
 class ChunkCache(PrefixCache):
-    """A prefix cache that caches nothing; its only node is an empty root every request locks."""
+    """A prefix cache that caches nothing; its only handle is an empty root every request locks."""
 
     def __init__(self, allocator: TokenSlotAllocator | SWATokenAllocator) -> None:
         self.allocator = allocator
         self._full = full_pool_of(allocator)
         self._empty = torch.empty(0, dtype=torch.int64, device=allocator.device)
-        self.root = TreeNode((), self._empty, None)
+        self.root = CacheHandle()
         self._locks = 0
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
@@ -43,11 +43,11 @@ class ChunkCache(PrefixCache):
         self.allocator.free(slots.to(torch.int64))
         return 0
 
-    def lock(self, node: TreeNode) -> None:
+    def lock(self, node: CacheHandle) -> None:
         self._check_root(node)
         self._locks += 1
 
-    def unlock(self, node: TreeNode) -> None:
+    def unlock(self, node: CacheHandle) -> None:
         self._check_root(node)
         if self._locks <= 0:
             raise ValueError("unlock without a matching lock")
@@ -66,12 +66,12 @@ class ChunkCache(PrefixCache):
 
     def check_integrity(self, request_slots: torch.Tensor | None = None) -> None:
         self.allocator.check_integrity()
-        if self._locks < 0 or self.root.children:
-            raise AssertionError(f"chunk cache holds state: {self._locks} locks, {len(self.root.children)} nodes")
+        if self._locks < 0:
+            raise AssertionError(f"chunk cache holds {self._locks} locks")
         check_partition("full", self._full.size, self._full.free_slots(), self._empty, request_slots)
         if isinstance(self.allocator, SWATokenAllocator) and request_slots is not None:
             check_swa_partition(self.allocator, self._empty, request_slots)
 
-    def _check_root(self, node: TreeNode) -> None:
+    def _check_root(self, node: CacheHandle) -> None:
         if node is not self.root:
             raise ValueError(f"not a node of this chunk cache: {node!r}")

@@ -19,6 +19,7 @@ import torch
 
 from srt.mem_cache.allocator import SWATokenAllocator, TokenSlotAllocator
 from srt.mem_cache.base_prefix_cache import (
+    CacheHandle,
     CacheStats,
     MatchResult,
     PrefixCache,
@@ -27,7 +28,7 @@ from srt.mem_cache.base_prefix_cache import (
 )
 
 
-class TreeNode:
+class TreeNode(CacheHandle):
     """One edge of the tree: `key` tokens whose KV sits in full-pool `slots`."""
 
     __slots__ = (
