@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -55,3 +56,9 @@ SRT_DEBUG_KV_INDICES = Switch(
 )
 
 SWITCHES = (GEMMA4_YOCO, SRT_TRITON_GEMM, SRT_PDL, SRT_DEBUG_KV_INDICES)
+
+
+def cache_home() -> Path:
+    """Where srt caches files it builds (the dummy presets' stand-in tokenizers): $XDG_CACHE_HOME/srt, by
+    default ~/.cache/srt."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "srt"

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
+from srt import envs
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -53,7 +55,7 @@ def synthetic_piece(token_id: int) -> str:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "srt" / "tokenizers"
+    return envs.cache_home() / "tokenizers"
 
 
 def cache_file(vocab_size: int) -> Path:
