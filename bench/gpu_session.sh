@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in as few device calls as possible:
 #
-#     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase yoco layouts norm moe serving
+#     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase yoco tune_norm moe serving
 #                                              serving_ab serving_ref profile)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
@@ -52,15 +52,22 @@ stage_ab() {  # decode with and without environment switches: AB="A=1 B=2;C=3" i
     done
 }
 
-stage_abbase() {  # decode of this tree vs the srt/ in $AB_BASE, alternated AB_ROUNDS times in one call
-    # make AB_BASE where the commits are (the GPU machine's copy may lack them):
-    #     mkdir base && git archive COMMIT srt | tar -x -C base
+stage_abbase() {  # this tree vs the tree in $AB_BASE (its own srt/ and bench/), alternated AB_ROUNDS times
+    # E4B (AB_MODEL) decode at batch 1 and 32 (512-token context) and the 1 x 7000 prefill. Make AB_BASE where
+    # the commits are (the GPU machine's copy may lack them) and carry it:
+    #     mkdir base && git archive COMMIT srt bench | tar -x -C base
     [ -d "${AB_BASE:-base}/srt" ] || { echo "abbase: no ${AB_BASE:-base}/srt"; return 1; }
-    for _ in $(seq ${AB_ROUNDS:-2}); do
+    for round in $(seq ${AB_ROUNDS:-1}); do
         for tree in . "${AB_BASE:-base}"; do
             label=$tree && [ "$tree" = . ] && label="this tree"
-            echo "--- $label"
-            PYTHONPATH=$tree:$PYTHONPATH ab_decode
+            name=$(basename "$(realpath "$tree")")
+            echo "--- $label (round $round)"
+            for shape in "--batch-size 1 32 --input-len 512 --output-len 32" "--batch-size 1 --input-len 7000 --output-len 2"; do
+                PYTHONPATH=$tree:$PYTHONPATH timeout 240 python3 "$tree/bench/bench_one_batch.py" --load-format dummy \
+                    --dtype bfloat16 --model-path gemma-4-${AB_MODEL:-E4B}-it $shape \
+                    --json "$RESULTS/abbase-$name-$round-$(echo $shape | tr -d ' -' | cut -c1-24).json" 2>&1 \
+                    | grep -E "^batch|Error|error" | grep -v floor
+            done
         done
     done
 }
@@ -74,11 +81,7 @@ stage_yoco() {  # YOCO on/off, side by side in one process
     done
 }
 
-stage_layouts() {  # decode-sized projections: which cuBLAS call and weight layout streams them fastest
-    timeout 300 python3 bench/bench_gemm_layouts.py --models ${LAYOUT_MODELS:-E4B E2B} --json "$RESULTS/gemm-layouts.json"
-}
-
-stage_norm() {  # warps of the residual add + norm kernel
+stage_tune_norm() {  # warps of the residual add + norm kernel
     timeout 200 python3 bench/tune/tune_add_rms_norm.py --json "$RESULTS/tune-add-rms-norm.json"
 }
 
