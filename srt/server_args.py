@@ -72,6 +72,11 @@ class ServerArgs:
         "compiles the prefill kernels (seconds) before the server reports ready instead of during the first "
         "request.",
     )
+    disable_mixed_batches: bool = _arg(
+        False,
+        "Run prompt chunks in steps of their own. By default a step that computes prompt chunks also carries "
+        "one token of every decoding request, so decoding never waits for a whole prompt (A/B runs).",
+    )
     disable_overlap_schedule: bool = _arg(
         False,
         "Read each decode step's sampled tokens on the host before launching the next step. By default the next "

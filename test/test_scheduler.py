@@ -71,9 +71,16 @@ def test_sixteen_requests_together_match_each_alone(tiny_checkpoint, alone_outpu
     assert_idle_and_consistent(scheduler)
 
 
-def test_retraction_under_a_tiny_kv_budget_keeps_outputs(tiny_checkpoint, alone_outputs) -> None:
-    # 16 prompts of up to 70 tokens + 8 outputs need ~650 slots at once; 200 forces retraction
-    scheduler = make_scheduler(tiny_checkpoint(PRESET), max_total_tokens=200, chunked_prefill_size=32)
+@pytest.mark.parametrize(("mixed", "total_tokens"), [(True, 130), (False, 200)], ids=["mixed", "unmixed"])
+def test_retraction_under_a_tiny_kv_budget_keeps_outputs(tiny_checkpoint, alone_outputs, mixed, total_tokens) -> None:
+    # 16 prompts of up to 70 tokens + 8 outputs need ~650 slots at once; these budgets force retraction (mixed
+    # batches finish decoding requests sooner, so they need a smaller one)
+    scheduler = make_scheduler(
+        tiny_checkpoint(PRESET),
+        max_total_tokens=total_tokens,
+        chunked_prefill_size=32,
+        disable_mixed_batches=not mixed,
+    )
     results = run_to_completion(scheduler, [greedy(str(i), ids) for i, ids in enumerate(prompts(16))])
     assert scheduler.num_retractions > 0
     for i, expected in alone_outputs.items():

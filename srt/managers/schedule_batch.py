@@ -93,6 +93,7 @@ class ScheduledReq:
     num_tokens: int  # tokens computed this forward, starting at req.kv_len
     sample: bool  # this forward completes its tokens: sample the next one from its last row
     prompt_logprob_rows: range = range(0)  # positions whose logits score the next prompt token
+    decode: bool = False  # a decoding request's one token (its window is freed, nothing goes to the cache)
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """The scheduler: turns a stream of requests into batches and keeps KV memory from running out mid-step.
 
-One step: admit from the waiting queue under the budgets (prefill first) or else decode every running
-request -> run the model -> sample -> update requests -> report -> cache. When memory runs short it evicts
-unlocked prefix-cache entries, then retracts decode requests back to the waiting queue.
+One step: one token for every decoding request, then prompt chunks of admitted or partly prefilled requests
+under the budgets (a mixed batch; `--disable-mixed-batches` runs prefill steps without the decoding requests),
+or, with no prompt work, a decode step -> run the model -> sample -> update requests -> report -> cache. A
+decoding request so waits at most one step for its next token while prompts are prefilled. When memory runs
+short it evicts unlocked prefix-cache entries, then retracts decode requests back to the waiting queue.
 
 Overlap schedule (default; --disable-overlap-schedule turns it off). While the same requests keep decoding
 and nothing waits, step n + 1 is launched with step n's sampled tokens as its input ids, on the device,
@@ -125,7 +127,8 @@ class Scheduler:
 
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
-        """Run one forward (prefill if anything can be admitted, else decode); report what changed.
+        """Run one forward (prompt chunks with the decoding requests' tokens if anything can be admitted, else
+        decode); report what changed.
 
         Under the overlap schedule a decode step is reported by the next call, which launches the step after
         it first when it can (module docstring).
@@ -167,8 +170,10 @@ class Scheduler:
         return collect_output(stuck)
 
     def _schedule_prefill(self) -> ScheduleBatch | None:
+        """Prompt chunks under the budgets and, mixed in first, one token of every decoding request."""
+        decoding = [] if self.args.disable_mixed_batches else [req for req in self.running if req.to_compute == 1]
         budget = PrefillBudget(
-            tokens=self.args.max_prefill_tokens,
+            tokens=self.args.max_prefill_tokens - len(decoding),
             chunk=self.args.chunked_prefill_size or self.runner.context_len,
             requests=self.args.max_running_requests - len(self.running),
         )
@@ -185,7 +190,9 @@ class Scheduler:
                 break
         if not items:
             return None
-        return ScheduleBatch(ForwardMode.EXTEND, items)
+        # admission reserved a token for every running request, the decoding ones among them
+        decode_items = [ScheduledReq(req, 1, True, decode=True) for req in decoding]
+        return ScheduleBatch(ForwardMode.EXTEND, decode_items + items)
 
     def _admit(self, req: Req, budget: PrefillBudget, items: list[ScheduledReq], chunked: list[Req]) -> bool:
         """Try to add a waiting request to the prefill batch; False when it (and so the rest) must wait."""
@@ -232,7 +239,7 @@ class Scheduler:
             return None  # a request was aborted
         if not self._make_room(len(reqs)):
             return None  # retraction decides with every token read
-        return ScheduleBatch(ForwardMode.DECODE, [ScheduledReq(req, 1, True) for req in reqs])
+        return ScheduleBatch(ForwardMode.DECODE, [ScheduledReq(req, 1, True, decode=True) for req in reqs])
 
     def _schedule_decode(self) -> ScheduleBatch | None:
         decoding = [req for req in self.running if req.to_compute == 1]
@@ -243,7 +250,7 @@ class Scheduler:
             self._retract(victim)
         if not decoding:
             return None
-        return ScheduleBatch(ForwardMode.DECODE, [ScheduledReq(req, 1, True) for req in decoding])
+        return ScheduleBatch(ForwardMode.DECODE, [ScheduledReq(req, 1, True, decode=True) for req in decoding])
 
     # ---- run and update ----------------------------------------------------------------------------------
     def _launch(self, batch: ScheduleBatch, input_ids: torch.Tensor | None = None) -> _Launched:
@@ -299,7 +306,7 @@ class Scheduler:
             if req.finished:
                 self.running.remove(req)
                 self._release(req)
-            elif launched.batch.mode == ForwardMode.EXTEND:
+            elif not item.decode:
                 # prompt KV (a chunk, or the whole prompt once done) goes to the cache, which then owns its
                 # sliding-window KV: requests sharing the prefix hit it until the cache evicts it
                 self._cache_prefill(req)
