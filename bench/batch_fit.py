@@ -8,9 +8,9 @@ every prompt and generated token, and frees none of them until the batch is done
     swa pool   [ B * L slots ... | free ]          and the SWA pool is the smaller one by default
 
 So B * L must fit in min(full, swa) tokens, B in --max-running-requests rows and L in the context length.
-The pools are planned here with srt.mem_cache.memory_plan.plan_memory and the same inputs ModelRunner
-gives it (--max-total-tokens, else --mem-fraction-static of the GPU's memory; 16,384 full tokens on CPU),
-before any weight or pool is allocated; only the weights are counted differently (transformers' module tree
+The pools are planned here with the function ModelRunner plans them with (`model_runner.plan_pools`:
+--max-total-tokens, else --mem-fraction-static of the GPU's memory; 16,384 full tokens on CPU), before any
+weight or pool is allocated; only the weights are counted differently (transformers' module tree
 on the meta device, not the loaded state dict), so `check_runner` repeats the check on the built runner.
 """
 
@@ -22,8 +22,8 @@ from typing import NamedTuple
 import torch
 
 from srt.configs.model_config import ModelConfig, resolve_dtype
-from srt.mem_cache.memory_plan import MemoryPlan, count_weight_bytes, plan_memory
-from srt.model_executor.model_runner import CPU_DEFAULT_TOTAL_TOKENS, ModelRunner, resolve_device
+from srt.mem_cache.memory_plan import MemoryPlan, count_weight_bytes
+from srt.model_executor.model_runner import CPU_DEFAULT_TOTAL_TOKENS, ModelRunner, plan_pools, resolve_device
 from srt.server_args import ServerArgs
 
 
@@ -80,24 +80,13 @@ def planned_pools(
     if gpu_memory_bytes is None and device.type == "cuda":
         gpu_memory_bytes = torch.cuda.get_device_properties(device).total_memory
     dtype = resolve_dtype(server_args.dtype, torch.device("cuda") if gpu_memory_bytes else device)
-    weight_bytes = count_weight_bytes(model_config, dtype)
-    max_total_tokens = server_args.max_total_tokens
+    plan = plan_pools(server_args, model_config, dtype, count_weight_bytes(model_config, dtype), gpu_memory_bytes)
     if gpu_memory_bytes:
         source = f"{gpu_memory_bytes / 2**30:.1f} GiB of GPU memory"
-    elif max_total_tokens is None:
-        max_total_tokens = CPU_DEFAULT_TOTAL_TOKENS
+    elif server_args.max_total_tokens is None:
         source = f"the CPU default of {CPU_DEFAULT_TOTAL_TOKENS:,} full-pool tokens"
     else:
         source = "--max-total-tokens"
-    plan = plan_memory(
-        model_config,
-        dtype,
-        weight_bytes,
-        device_memory_bytes=gpu_memory_bytes,
-        mem_fraction_static=server_args.mem_fraction_static,
-        max_total_tokens=max_total_tokens,
-        swa_full_tokens_ratio=server_args.swa_full_tokens_ratio,
-    )
     if plan.sized_by == "mem_fraction_static":
         source = f"--mem-fraction-static {server_args.mem_fraction_static} of {source}"
     return plan, source

@@ -2,7 +2,8 @@
 
 - `triton`, `tl`, `jit`: the modules and `triton.jit`, or None / an identity decorator on CPU-only installs
   (no triton): the kernels stay plain functions there and the torch references serve every call.
-- `runs_triton`: each wrapper's `use_triton` switch (None: Triton on CUDA, the reference elsewhere).
+- `runs_triton`: each wrapper's `use_triton` switch (None: Triton on CUDA, the reference elsewhere);
+  `kernel_runs_on`: whether a kernel can run on a device at all.
 - `is_interpreted`: whether a kernel runs under Triton's CPU interpreter (TRITON_INTERPRET=1 set before the
   kernel's module was imported, as test/conftest.py does); `dot_options`: a tl.dot's precision there and on GPU.
 - `round_to`: float32 -> a dtype's nearest value, the same on the GPU and in the interpreter.
@@ -49,12 +50,17 @@ def dot_options(kernel: object, dtype: torch.dtype) -> tuple[str, bool]:
     return ("ieee" if interpreted or dtype == torch.float32 else "tf32"), interpreted
 
 
+def kernel_runs_on(device: torch.device, kernel: object) -> bool:
+    """Whether `kernel` can run on tensors of `device`: CUDA, or the CPU when it runs in Triton's interpreter."""
+    return triton is not None and (device.type == "cuda" or (device.type == "cpu" and is_interpreted(kernel)))
+
+
 def runs_triton(device: torch.device, use_triton: bool | None, kernel: object) -> bool:
     """Resolve `use_triton` (None: Triton on CUDA, the reference elsewhere) and check that Triton can run."""
     if use_triton is None:
         return device.type == "cuda" and triton is not None
     if use_triton:
-        if triton is None or not (device.type == "cuda" or (device.type == "cpu" and is_interpreted(kernel))):
+        if not kernel_runs_on(device, kernel):
             raise RuntimeError(
                 f"use_triton=True cannot run on {device.type}: needs CUDA, or the CPU with TRITON_INTERPRET=1 "
                 "set before the kernel's module was imported"

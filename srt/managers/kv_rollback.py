@@ -48,7 +48,7 @@ def give_back_kv(
             f"left, and the query at position {new_len} would read them"
         )
     row = req_to_token_pool.req_to_token[req.req_pool_idx]
-    slots = row[new_len : req.kv_len].to(torch.int64).clone()
+    slots = row[new_len : req.kv_len].to(torch.int64)  # a copy: the row's entries are zeroed below
     allocator.free(slots)  # the full slots and the SWA slots they map to
     row[new_len : req.kv_len] = 0
     req.kv_len = new_len

@@ -33,15 +33,16 @@ def load_tokenizer(server_args: ServerArgs):
     if presets.is_preset(path):
         config = presets.preset_text_config(path)
         empty_thought_channel = tokenizer_builder.opens_empty_thought_channel(config)
-        if config.vocab_size == presets.TINY_VOCAB_SIZE:
+        standin_vocab_size = _standin_vocab_size(path)
+        if standin_vocab_size is None:
             return tokenizer_builder.build_tokenizer(config.vocab_size, empty_thought_channel=empty_thought_channel)
         logger.warning(
             "preset %s has no tokenizer: using a %d-token stand-in (every id decodes to a synthetic piece such as"
             " ' ~5m9r'); pass --tokenizer-path for real text",
             path,
-            config.vocab_size,
+            standin_vocab_size,
         )
-        return standin_tokenizer.load_standin_tokenizer(config.vocab_size, empty_thought_channel)
+        return standin_tokenizer.load_standin_tokenizer(standin_vocab_size, empty_thought_channel)
     return AutoTokenizer.from_pretrained(path)
 
 

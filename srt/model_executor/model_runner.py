@@ -14,7 +14,7 @@ from srt.layers.attention import create_attention_backend
 from srt.layers.logits_processor import LogitsOutput
 from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.kv_pool import HybridKVPool
-from srt.mem_cache.memory_plan import plan_memory
+from srt.mem_cache.memory_plan import MemoryPlan, plan_memory
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from srt.model_executor.captured_steps import default_batch_sizes
 from srt.model_executor.cuda_graph_runner import DecodeGraphs, SharedLayerGraphs
@@ -83,23 +83,11 @@ class ModelRunner:
 
     def _pool_sizes(self) -> tuple[int, int]:
         """(full, swa) pool tokens: --max-total-tokens, else --mem-fraction-static of the GPU's memory."""
-        args = self.server_args
         weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
         device_memory = None
-        max_total_tokens = args.max_total_tokens
         if self.device.type == "cuda":
             device_memory = torch.cuda.get_device_properties(self.device).total_memory
-        elif max_total_tokens is None:
-            max_total_tokens = CPU_DEFAULT_TOTAL_TOKENS  # no device memory to size from
-        plan = plan_memory(
-            self.model_config,
-            self.dtype,
-            weight_bytes,
-            device_memory_bytes=device_memory,
-            mem_fraction_static=args.mem_fraction_static,
-            max_total_tokens=max_total_tokens,
-            swa_full_tokens_ratio=args.swa_full_tokens_ratio,
-        )
+        plan = plan_pools(self.server_args, self.model_config, self.dtype, weight_bytes, device_memory)
         logger.info("KV memory: %s", plan.summary())
         self.memory_plan = plan
         return plan.full_tokens, plan.swa_tokens
@@ -136,6 +124,29 @@ class ModelRunner:
                 self.yoco_rows_skipped_total,
             )
         return output
+
+
+def plan_pools(
+    server_args: ServerArgs,
+    model_config: ModelConfig,
+    dtype: torch.dtype,
+    weight_bytes: int,
+    device_memory_bytes: int | None,
+) -> MemoryPlan:
+    """The KV pools a runner gets: --max-total-tokens, else --mem-fraction-static of the device's memory; with no
+    device memory to size from (the CPU) and no --max-total-tokens, CPU_DEFAULT_TOTAL_TOKENS full-pool tokens."""
+    max_total_tokens = server_args.max_total_tokens
+    if device_memory_bytes is None and max_total_tokens is None:
+        max_total_tokens = CPU_DEFAULT_TOTAL_TOKENS
+    return plan_memory(
+        model_config,
+        dtype,
+        weight_bytes,
+        device_memory_bytes=device_memory_bytes,
+        mem_fraction_static=server_args.mem_fraction_static,
+        max_total_tokens=max_total_tokens,
+        swa_full_tokens_ratio=server_args.swa_full_tokens_ratio,
+    )
 
 
 def checkpoint_eos_token_ids(model_config: ModelConfig, model_path: str) -> list[int]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from srt.kernels.gelu_mul import gelu_tanh_f32
-from srt.kernels.triton_support import dot_options, is_interpreted, jit, tl, triton
+from srt.kernels.triton_support import dot_options, jit, kernel_runs_on, tl, triton
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def _down_kernel(
 
 def runs_on(device: torch.device) -> bool:
     """Whether the kernels can run on tensors of `device`: CUDA, or the CPU under Triton's interpreter."""
-    return triton is not None and (device.type == "cuda" or (device.type == "cpu" and is_interpreted(_gate_up_kernel)))
+    return kernel_runs_on(device, _gate_up_kernel)
 
 
 def _dot_options(x: torch.Tensor) -> dict[str, object]:
