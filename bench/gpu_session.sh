@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in as few device calls as possible:
 #
-#     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase yoco tune_norm moe serving
+#     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase graph_steps yoco tune_norm moe serving
 #                                              serving_ab serving_ref profile)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
@@ -15,7 +15,7 @@ mkdir -p "$RESULTS"
 BENCH="python3 bench/bench_one_batch.py --load-format dummy --dtype bfloat16"
 
 if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -70,6 +70,12 @@ stage_abbase() {  # this tree vs the tree in $AB_BASE (its own srt/ and bench/),
             done
         done
     done
+}
+
+stage_graph_steps() {  # prefills and mixed steps with CUDA graphs per token count and eagerly, alternated
+    timeout 400 python3 bench/bench_graph_steps.py --model-path gemma-4-${AB_MODEL:-E4B}-it --load-format dummy \
+        --dtype bfloat16 --prefill-lens ${STEP_LENS:-128 512 1000 2000} --decode-rows ${STEP_ROWS:-0 31} \
+        --json "$RESULTS/graph-steps-${AB_MODEL:-E4B}.json" 2>&1 | grep -E "^prompt|Error|error"
 }
 
 stage_yoco() {  # YOCO on/off, side by side in one process

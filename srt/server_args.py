@@ -53,9 +53,13 @@ class ServerArgs:
         "Sliding-window pool tokens / full pool tokens (default 0.15 for MoE checkpoints, 0.8 for dense).",
     )
     max_running_requests: int = _arg(64, "Most requests in the running batch at once.")
-    max_prefill_tokens: int = _arg(16384, "Most prompt tokens computed in one prefill forward.")
+    max_prefill_tokens: int = _arg(
+        16384, "Most tokens one step computes: prompt tokens plus one per decoding request beside them."
+    )
     chunked_prefill_size: int = _arg(
-        8192, "Longer prompts are computed in chunks of this many tokens, one chunked request at a time (0: off)."
+        8192,
+        "Most prompt tokens one step computes; longer prompts are computed in chunks of this many tokens, one "
+        "chunked request at a time (0: off, only --max-prefill-tokens bounds a step).",
     )
     schedule_policy: str = _arg(
         "lpm", "Admission order: lpm = longest cached prefix first, fcfs = arrival order.", SCHEDULE_POLICIES
@@ -63,8 +67,9 @@ class ServerArgs:
     disable_radix_cache: bool = _arg(False, "Do not reuse KV of shared prompt prefixes across requests.")
     disable_cuda_graph: bool = _arg(
         False,
-        "Launch every kernel of decode steps (and of YOCO's KV-shared layers) eagerly instead of replaying "
-        "CUDA graphs captured at start-up (GPU with the triton backend only).",
+        "Launch every kernel of every step eagerly instead of replaying CUDA graphs captured at start-up (decode "
+        "steps, steps of up to --cuda-graph-max-tokens tokens, YOCO's KV-shared layers; GPU with the triton "
+        "backend only).",
     )
     skip_server_warmup: bool = _arg(
         False,
@@ -85,6 +90,11 @@ class ServerArgs:
     )
     cuda_graph_max_bs: int | None = _arg(
         None, "Largest batch captured in a CUDA graph (default: --max-running-requests); larger ones run eagerly."
+    )
+    cuda_graph_max_tokens: int = _arg(
+        2048,
+        "Steps of up to this many tokens (short prefills, prompt chunks, mixed prefill + decode steps) replay "
+        "CUDA graphs captured per token count; longer ones run eagerly (0: no such graphs, only decode ones).",
     )
     # ---- serving ----
     host: str = _arg("127.0.0.1", "Address the HTTP server listens on (0.0.0.0: every interface).")
@@ -120,6 +130,8 @@ class ServerArgs:
             raise ValueError(f"max_running_requests must be > 0; got {self.max_running_requests}")
         if self.cuda_graph_max_bs is not None and self.cuda_graph_max_bs <= 0:
             raise ValueError(f"cuda_graph_max_bs must be > 0; got {self.cuda_graph_max_bs}")
+        if self.cuda_graph_max_tokens < 0:
+            raise ValueError(f"cuda_graph_max_tokens must be >= 0; got {self.cuda_graph_max_tokens}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535]; got {self.port}")
         if self.log_interval < 0:

@@ -58,9 +58,11 @@ def test_default_batch_sizes() -> None:
 @pytest.mark.parametrize("variant", ["tiny-gemma-4-E2B-it", "tiny-gemma-4-E4B-it"])
 @pytest.mark.parametrize("scenario", list(SCENARIOS), ids=lambda f: f.__name__)
 def test_padded_steps_match_the_plain_forward(tiny_checkpoint, variant: str, scenario) -> None:
-    """Decode and YOCO's shared layers through padded static buffers: same tokens, same logits."""
+    """Decode and YOCO's shared layers through padded static buffers: same tokens, same logits (prefills run
+    eagerly here, so that they take the shared-layer graphs; `test_extend_graphs.py` covers their own graphs)."""
     path = tiny_checkpoint(variant)
-    padded, plain = Driver(build_runner(path, True)), Driver(build_runner(path, False))
+    padded = Driver(build_runner(path, True, cuda_graph_max_tokens=0))
+    plain = Driver(build_runner(path, False))
     decode_calls: list[int] = []
     shared_calls: list[int] = []
     spy_on_steps(padded.runner.decode_graphs.steps, decode_calls)

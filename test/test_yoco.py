@@ -104,6 +104,8 @@ class Driver:
             self.seq_lens[name] += len(tokens)
         output = runner.forward(batch)
         assert output.logits.shape == (len(logits_rows), runner.model_config.vocab_size)
+        # a captured step's outputs live in buffers the next step overwrites
+        output = output._replace(logits=output.logits.clone(), hidden_states=output.hidden_states.clone())
         self.outputs.append(output)
         return output
 

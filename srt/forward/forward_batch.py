@@ -50,11 +50,15 @@ class ForwardBatch:
     req_to_token_pool: ReqToTokenPool
     kv_pool: HybridKVPool
     # host copies, so per-request loops need no device sync
+    req_pool_indices_cpu: list[int] = field(default_factory=list)
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
     logits_rows_cpu: list[int] = field(default_factory=list)
     attn_metadata: Any = None  # built by the attention backend's init_forward_metadata
+    # the logits rows as a batch of their own, laid out on the device by the caller (a captured step, whose host
+    # lists cannot describe the batch it replays); without it `logits_batch()` derives it with `select_rows`
+    logits_subset: ForwardBatch | None = None
 
     def __post_init__(self) -> None:
         # the model decides "every row needed?" from the host list: it must describe the device one
@@ -69,6 +73,15 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+    @property
+    def every_row_is_a_logits_row(self) -> bool:
+        """Every row's logits are needed, in row order (decode, verify, prompt logprobs of every row)."""
+        return self.logits_subset is None and len(self.logits_rows_cpu) == self.num_tokens
+
+    def logits_batch(self) -> ForwardBatch:
+        """The batch of the logits rows alone (YOCO's KV-shared layers run on it)."""
+        return self.logits_subset if self.logits_subset is not None else self.select_rows(self.logits_rows_cpu)
 
     @property
     def extend_start_loc_cpu(self) -> list[int]:
@@ -126,6 +139,7 @@ class ForwardBatch:
             extend_seq_lens_cpu=counts,
             logits_rows_cpu=list(range(len(chosen))),
             attn_metadata=None,
+            logits_subset=None,
         )
 
     @classmethod
@@ -167,6 +181,7 @@ class ForwardBatch:
             logits_rows=tensors[5],
             req_to_token_pool=req_to_token_pool,
             kv_pool=kv_pool,
+            req_pool_indices_cpu=list(req_pool_indices),
             seq_lens_cpu=seq_lens,
             extend_prefix_lens_cpu=list(prefix_lens),
             extend_seq_lens_cpu=extend_lens,

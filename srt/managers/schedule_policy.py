@@ -21,7 +21,7 @@ def order_waiting(waiting: list[Req], policy: str, cache: PrefixCache) -> list[R
 class PrefillBudget:
     """What is left of one step's limits while requests are being added to a prefill batch."""
 
-    tokens: int  # --max-prefill-tokens left
+    tokens: int  # prompt tokens left this step: --max-prefill-tokens and --chunked-prefill-size bound them
     chunk: int  # --chunked-prefill-size: the most tokens one request computes in one forward
     requests: int  # request rows left under --max-running-requests
 

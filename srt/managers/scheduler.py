@@ -172,9 +172,12 @@ class Scheduler:
     def _schedule_prefill(self) -> ScheduleBatch | None:
         """Prompt chunks under the budgets and, mixed in first, one token of every decoding request."""
         decoding = [] if self.args.disable_mixed_batches else [req for req in self.running if req.to_compute == 1]
+        chunk = self.args.chunked_prefill_size or self.runner.context_len
         budget = PrefillBudget(
-            tokens=self.args.max_prefill_tokens - len(decoding),
-            chunk=self.args.chunked_prefill_size or self.runner.context_len,
+            # one chunk's worth of prompt tokens per step: two 8k prompts in one step would hold back the first
+            # one's first token, and every decoding request's next one, by the second's whole prefill
+            tokens=min(self.args.max_prefill_tokens - len(decoding), chunk),
+            chunk=chunk,
             requests=self.args.max_running_requests - len(self.running),
         )
         items: list[ScheduledReq] = []

@@ -47,6 +47,7 @@ class StaticInputs:
         self.ids = torch.tensor(list(id_paddings.values()), dtype=torch.int64, device=device)
         self.ids = self.ids[:, None].repeat(1, max_rows)
         self.id_padding = self.ids.clone()
+        self.host_padding = list(id_paddings.values())
         self.buffers: dict[str, torch.Tensor] = {}
         self.padding: dict[str, int | float] = {}
 
@@ -67,6 +68,13 @@ class StaticInputs:
             buffer[:num_rows].copy_(values[name])
             if padded_rows > num_rows:
                 buffer[num_rows:padded_rows].fill_(self.padding[name])
+
+    def load_host(self, values: dict[str, list[int]], padded_rows: int) -> None:
+        """Fill the id rows from host lists, padded to `padded_rows`, in one copy from pinned memory."""
+        num_rows = len(values[self.id_names[0]])
+        rows = [values[name] + [pad] * (padded_rows - num_rows) for name, pad in zip(self.id_names, self.host_padding)]
+        host = torch.tensor(rows, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        self.ids[:, :padded_rows].copy_(host, non_blocking=True)  # the caching host allocator keeps `host` alive
 
     def view(self, num_rows: int) -> dict[str, torch.Tensor]:
         ids = {name: self.ids[i, :num_rows] for i, name in enumerate(self.id_names)}

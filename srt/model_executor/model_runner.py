@@ -18,6 +18,7 @@ from srt.mem_cache.memory_plan import MemoryPlan, plan_memory
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from srt.model_executor.captured_steps import default_batch_sizes
 from srt.model_executor.cuda_graph_runner import DecodeGraphs, SharedLayerGraphs
+from srt.model_executor.extend_graphs import ExtendGraphs, default_token_counts
 from srt.model_loader.loader import load_model
 from srt.server_args import ServerArgs
 
@@ -69,6 +70,7 @@ class ModelRunner:
         # rows the KV-shared layers did not run on, over every forward so far (YOCO fast prefill; /metrics)
         self.yoco_rows_skipped_total = 0
         self.decode_graphs: DecodeGraphs | None = None
+        self.extend_graphs: ExtendGraphs | None = None
         if self.device.type == "cuda" and backend == "triton" and not server_args.disable_cuda_graph:
             self.capture_cuda_graphs()
         logger.info(
@@ -93,13 +95,20 @@ class ModelRunner:
         return plan.full_tokens, plan.swa_tokens
 
     def capture_cuda_graphs(self, use_graphs: bool = True) -> None:
-        """Capture decode steps and YOCO's KV-shared layers per batch size (`use_graphs=False`: run the same
-        padded steps eagerly, which is how CPU tests cover them)."""
+        """Capture steps of up to --cuda-graph-max-tokens tokens per token count, decode steps and YOCO's
+        KV-shared layers per batch size (`use_graphs=False`: run the same padded steps eagerly, which is how
+        CPU tests cover them)."""
         args = self.server_args
         max_bs = min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests)
         batch_sizes = default_batch_sizes(max_bs)
         pool = torch.cuda.graph_pool_handle() if use_graphs else None
         pools = (self.req_to_token_pool, self.kv_pool)
+        if args.cuda_graph_max_tokens:
+            # first: the largest activations, whose memory the smaller graphs then share
+            token_counts = default_token_counts(args.cuda_graph_max_tokens)
+            self.extend_graphs = ExtendGraphs(
+                self.model, self.attn_backend, *pools, token_counts, args.max_running_requests, use_graphs, pool
+            )
         self.decode_graphs = DecodeGraphs(self.model, self.attn_backend, *pools, batch_sizes, use_graphs, pool)
         text_model = self.model.model
         if text_model.yoco_layer is not None:
@@ -114,7 +123,10 @@ class ModelRunner:
         """
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self.decode_graphs(batch)
-        output = self.model(batch, self.attn_backend)
+        if self.extend_graphs is not None and self.extend_graphs.can_run(batch):
+            output = self.extend_graphs(batch)
+        else:
+            output = self.model(batch, self.attn_backend)
         if output.yoco_skipped_rows:
             self.yoco_rows_skipped_total += output.yoco_skipped_rows
             logger.debug(

@@ -142,7 +142,7 @@ class Gemma4TextModel(nn.Module):
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> TextModelOutput:
         """Final-norm hidden states of the batch's logits rows; attention metadata must be built for `batch`."""
         hidden, per_layer = self.embed(batch.input_ids)
-        all_rows = len(batch.logits_rows_cpu) == batch.num_tokens
+        all_rows = batch.every_row_is_a_logits_row
         if self.yoco_layer is None or all_rows:
             # with every row needed (decode, verify, all prompt logprobs) YOCO has nothing to save
             hidden = self.run_layers(hidden, per_layer, batch, backend, range(len(self.layers)))
@@ -152,12 +152,14 @@ class Gemma4TextModel(nn.Module):
         rows = batch.logits_rows
         hidden = hidden[rows]
         per_layer = per_layer[rows] if per_layer is not None else None
-        shared = batch.select_rows(batch.logits_rows_cpu)
+        shared = batch.logits_batch()
         skipped = batch.num_tokens - shared.num_tokens
         if not shared.num_tokens:
             return TextModelOutput(hidden, skipped)  # an intermediate prefill chunk: no row needs the rest
-        if self.shared_layer_graphs is not None and self.shared_layer_graphs.can_run(shared):
-            return TextModelOutput(self.shared_layer_graphs(hidden, per_layer, shared), skipped)
+        # a subset the caller laid out belongs to a captured step already (graphs do not nest)
+        graphs = self.shared_layer_graphs if batch.logits_subset is None else None
+        if graphs is not None and graphs.can_run(shared):
+            return TextModelOutput(graphs(hidden, per_layer, shared), skipped)
         backend.init_forward_metadata(shared)
         return TextModelOutput(self.run_shared_layers(hidden, per_layer, shared, backend), skipped)
 
