@@ -79,8 +79,8 @@ class ExtendGraphs:
         return min(num_tokens, self.max_requests)
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        if not 0 < batch.num_tokens <= self.steps.max_batch_size:
-            return False
+        if not 0 < batch.num_tokens <= self.steps.max_batch_size or not batch.req_pool_indices_cpu:
+            return False  # too long, or laid out without the host copies the padding is built from
         rows = self.rows(self.steps.padded_size(batch.num_tokens))
         return 0 < batch.batch_size <= rows and len(batch.logits_rows_cpu) <= rows
 
