@@ -56,13 +56,16 @@ from pathlib import Path
 import httpx
 import openai
 from serving_metrics import (  # noqa: F401  (re-exported: bench_serving is the module users and tests import)
+    EMIT_STAGES,
     BenchmarkMetrics,
     LatencyStats,
     RequestRecord,
     arrival_timings,
     compute_metrics,
+    emit_timings,
     format_summary,
     latency_stats,
+    metrics_from_json,
     tpot_s,
     write_plot,
 )
@@ -210,6 +213,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--warmup-requests", type=int, help="Requests sent (and awaited) before each timed run (default 0).")
     add("--request-timeout", type=float, default=3600.0, help="Seconds before one request counts as failed.")
     add("--stream-logprobs", action="store_true", help="Count each chunk's tokens by its logprobs (costs the server).")
+    add(
+        "--emit-timestamps",
+        action="store_true",
+        help="Ask srt for each chunk's emit times; report server ITL and where tokens wait (serving_metrics.py).",
+    )
     add("--output-json", type=Path, help="Write config, metrics and per-request records here.")
     add("--plot", type=Path, help="Write latency CDFs here (PNG; needs matplotlib).")
     add("--disable-tqdm", action="store_true", help="No progress bar.")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import openai
-from serving_metrics import RequestRecord, arrival_timings
+from serving_metrics import RequestRecord, arrival_timings, emit_timings
 from tqdm import tqdm
 
 FIRST_SAFE_TOKEN_ID = 3  # Gemma: 0 <pad>, 1 <eos>, 2 <bos>
@@ -56,16 +56,22 @@ def as_chat_text(specs: list[RequestSpec], tokenizer_path: str) -> list[RequestS
 
 # ---- one request ------------------------------------------------------------------------------------------
 async def open_stream(
-    client: openai.AsyncOpenAI, backend: str, model: str, spec: RequestSpec, logprobs: bool = False
+    client: openai.AsyncOpenAI,
+    backend: str,
+    model: str,
+    spec: RequestSpec,
+    logprobs: bool = False,
+    emit_ts: bool = False,
 ) -> openai.AsyncStream:
-    """Start one streamed request that asks for exactly `spec.output_len` tokens (and logprobs if asked)."""
+    """Start one streamed request that asks for exactly `spec.output_len` tokens (and logprobs and srt's emit
+    timestamps if asked)."""
     common = {
         "model": model,
         "max_tokens": spec.output_len,
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "extra_body": {"ignore_eos": True},
+        "extra_body": {"ignore_eos": True, **({"return_emit_ts": True} if emit_ts else {})},
     }
     if backend == "chat":
         if logprobs:
@@ -97,21 +103,30 @@ def chunk_tokens(choice: Any, by_logprobs: bool) -> int:
 
 
 async def send_request(
-    client: openai.AsyncOpenAI, backend: str, model: str, spec: RequestSpec, logprobs: bool = False
+    client: openai.AsyncOpenAI,
+    backend: str,
+    model: str,
+    spec: RequestSpec,
+    logprobs: bool = False,
+    emit_ts: bool = False,
 ) -> RequestRecord:
-    """Send one request, time its chunks; a failure is recorded, not raised."""
+    """Send one request, time its chunks; a failure is recorded, not raised. With `emit_ts`, also where each
+    chunk waited (serving_metrics.emit_timings)."""
     record = RequestRecord(input_len=spec.input_len, output_len=spec.output_len)
     arrivals: list[tuple[float, int]] = []  # (time, tokens) of each chunk that carried output
+    emitted: list[tuple[dict[str, float], int]] = []  # (the chunk's emit_ts and wall-clock arrival, tokens)
     usage = None
     start = time.perf_counter()
     try:
-        stream = await open_stream(client, backend, model, spec, logprobs)
+        stream = await open_stream(client, backend, model, spec, logprobs, emit_ts)
         async for chunk in stream:
             now = time.perf_counter()
             usage = chunk.usage or usage
             tokens = sum(chunk_tokens(choice, logprobs) for choice in chunk.choices)
             if tokens:
                 arrivals.append((now, tokens))
+                if emit_ts:
+                    emitted.append(({**chunk.model_extra["emit_ts"], "client": time.time()}, tokens))
         record.e2e_s = time.perf_counter() - start
     except Exception as error:  # any failure of one request is a data point, not the end of the run
         record.error = f"{type(error).__name__}: {error}"
@@ -120,6 +135,8 @@ async def send_request(
         record.error = "the stream ended without output"
         return record
     record.ttft_s, record.itl_s = arrival_timings(start, arrivals)
+    if emitted:
+        record.server_itl_s, record.emit_lag_s = emit_timings(emitted)
     record.chunks = len(arrivals)
     record.output_tokens = usage.completion_tokens if usage else sum(tokens for _, tokens in arrivals)
     record.input_len = usage.prompt_tokens if usage else spec.input_len
@@ -143,7 +160,7 @@ async def run_requests(
 
     async def one(spec: RequestSpec) -> RequestRecord:
         async with limit:
-            record = await send_request(client, args.backend, model, spec, args.stream_logprobs)
+            record = await send_request(client, args.backend, model, spec, args.stream_logprobs, args.emit_timestamps)
         if progress is not None:
             progress.update(1)
         return record

@@ -7,6 +7,7 @@ bookkeeping.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import random
@@ -86,6 +87,32 @@ def test_arrival_timings_split_a_chunk_of_several_tokens_into_equal_gaps() -> No
     assert ttft == pytest.approx(0.2)  # the first chunk's second token adds no gap: nothing times it apart
     assert gaps == pytest.approx([0.5, 0.2, 0.2, 0.2])
     assert bench.arrival_timings(0.0, [(0.3, 1)]) == (pytest.approx(0.3), [])
+
+
+def test_emit_timings_time_the_server_and_each_stage() -> None:
+    def chunk(scheduler: float, tokens: int = 1) -> tuple[dict, int]:
+        # detokenizer +1 ms, tokenizer manager +2 ms, SSE write +4 ms, client +8 ms after the scheduler
+        stages = [scheduler, scheduler + 0.001, scheduler + 0.003, scheduler + 0.007, scheduler + 0.015]
+        return dict(zip(bench.EMIT_STAGES, stages)), tokens
+
+    server_itl, lag = bench.emit_timings([chunk(10.0), chunk(10.006), chunk(10.018, tokens=2)])
+    assert server_itl == pytest.approx([0.006, 0.006, 0.006])  # a chunk of 2 tokens: 2 equal gaps
+    want = {"detokenizer": 0.001, "tokenizer_manager": 0.002, "sse": 0.004, "client": 0.008}
+    assert list(lag) == list(want) and all(lag[stage] == pytest.approx([want[stage]] * 3) for stage in want)
+
+    timed = bench.RequestRecord(
+        8, 4, success=True, output_tokens=4, ttft_s=0.1, e2e_s=0.12, itl_s=[0.0002, 0.0002, 0.02],
+        server_itl_s=server_itl, emit_lag_s=lag,
+    )  # fmt: skip
+    untimed = bench.RequestRecord(8, 4, success=True, output_tokens=4, ttft_s=0.1, e2e_s=1)  # a server without it
+    metrics = bench.compute_metrics([timed, untimed], 1.0)
+    assert metrics.server_itl_ms.p50 == pytest.approx(6.0) and metrics.itl_ms.p50 == pytest.approx(0.2)
+    assert metrics.emit_lag_ms["client"].p50 == pytest.approx(8.0) and list(metrics.emit_lag_ms) == list(lag)
+    assert bench.metrics_from_json(json.loads(json.dumps(dataclasses.asdict(metrics)))) == metrics
+    assert "Server ITL" in bench.format_summary(metrics, "completions", "m")
+    plain = bench.compute_metrics([bench.RequestRecord(8, 4, success=True, output_tokens=1, ttft_s=0.1, e2e_s=1)], 1)
+    assert plain.server_itl_ms is None and plain.emit_lag_ms is None
+    assert "Server ITL" not in bench.format_summary(plain, "completions", "m")
 
 
 def test_workloads_set_lengths_and_runs_and_explicit_flags_win() -> None:
@@ -170,6 +197,20 @@ def test_completions_run_sends_exact_lengths_and_reports_every_metric(server, mo
     assert metrics["mean_concurrency"] <= 2 + 1e-9  # --max-concurrency 2: never more than 2 requests open
     assert report["config"]["model"] == str(model)  # the server's default served name: the checkpoint path
     assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_emit_timestamps_run_reports_where_tokens_wait(server, tmp_path) -> None:
+    report = run_bench(
+        server.url, tmp_path / "emit.json", "--num-prompts", "3", "--random-input-len", "16",
+        "--random-output-len", "5", "--max-concurrency", "3", "--emit-timestamps",
+    )  # fmt: skip
+    metrics = report["metrics"]
+    assert metrics["completed"] == 3 and metrics["server_itl_ms"]["p50"] > 0
+    assert list(metrics["emit_lag_ms"]) == ["detokenizer", "tokenizer_manager", "sse", "client"]
+    for record in report["requests"]:
+        chunks = record["chunks"]
+        assert len(record["server_itl_s"]) == len(record["itl_s"]) == chunks - 1  # a gap between two chunks
+        assert all(len(lags) == chunks and min(lags) >= 0 for lags in record["emit_lag_s"].values())
 
 
 def test_chat_run_with_poisson_arrivals(server, tmp_path) -> None:
