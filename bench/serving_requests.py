@@ -1,11 +1,8 @@
 """The requests of `bench_serving.py`: random token-id prompts, one streamed request timed chunk by chunk, and
-a run of many with Poisson arrivals and a concurrency limit."""
+the Poisson arrival times of a run (serving_clients.py sends them)."""
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import contextlib
 import math
 import random
 import time
@@ -14,7 +11,6 @@ from typing import Any
 
 import openai
 from serving_metrics import RequestRecord, arrival_timings, emit_timings
-from tqdm import tqdm
 
 FIRST_SAFE_TOKEN_ID = 3  # Gemma: 0 <pad>, 1 <eos>, 2 <bos>
 
@@ -145,29 +141,12 @@ async def send_request(
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
-async def run_requests(
-    client: openai.AsyncOpenAI,
-    args: argparse.Namespace,
-    model: str,
-    specs: list[RequestSpec],
-    request_rate: float,
-    max_concurrency: int | None,
-    rng: random.Random,
-    progress: tqdm | None = None,
-) -> list[RequestRecord]:
-    """Send `specs` with Poisson arrivals at `request_rate` (inf: all at once), at most `max_concurrency` open."""
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
-
-    async def one(spec: RequestSpec) -> RequestRecord:
-        async with limit:
-            record = await send_request(client, args.backend, model, spec, args.stream_logprobs, args.emit_timestamps)
-        if progress is not None:
-            progress.update(1)
-        return record
-
-    tasks = []
-    for i, spec in enumerate(specs):
-        tasks.append(asyncio.create_task(one(spec)))
-        if math.isfinite(request_rate) and i + 1 < len(specs):
-            await asyncio.sleep(rng.expovariate(request_rate))  # exponential gaps: a Poisson process
-    return list(await asyncio.gather(*tasks))
+def arrival_offsets(num: int, request_rate: float, rng: random.Random) -> list[float]:
+    """When each of `num` requests is due, in seconds after the first: Poisson arrivals at `request_rate`
+    (exponential gaps), or all at once for inf."""
+    offsets, at = [], 0.0
+    for i in range(num):
+        offsets.append(at)
+        if math.isfinite(request_rate) and i + 1 < num:
+            at += rng.expovariate(request_rate)
+    return offsets
