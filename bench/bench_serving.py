@@ -142,6 +142,7 @@ def benchmark(
         )  # fmt: skip
 
     processes = args.client_processes or default_process_count(run.concurrency, len(timed))
+    print(f"Sending from {processes} client processes", file=sys.stderr)
     with ClientProcesses(processes) as clients:
         if warmup:
             print(f"Warming up with {len(warmup)} requests ...", file=sys.stderr)
