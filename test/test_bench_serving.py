@@ -7,15 +7,18 @@ bookkeeping.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import importlib.util
 import json
 import math
 import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -138,6 +141,22 @@ def test_client_processes_share_requests_and_the_concurrency_limit() -> None:
     results = [clients.JobResult([("record", i) for i in range(k, 10, 3)], 0.0) for k in range(3)]
     assert clients.merge(whole, jobs, results) == [("record", i) for i in range(10)]  # request order again
     assert clients.default_process_count(32, 128) == min(4, max(1, (os.cpu_count() or 2) // 2))
+
+
+def test_client_processes_stop_at_the_deadline() -> None:
+    """A server that accepts connections and never answers: the run ends at its deadline with
+    asyncio.TimeoutError (what serving_ab's --time-limit relies on), its processes stopped."""
+    clients = _load_sibling("serving_clients")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        specs = bench.random_requests(4, 4, 2, 1.0, 50, random.Random(0))
+        job = clients.Job(url, "completions", "m", 60.0, False, False, specs, [0.0] * 4, 4)
+        with clients.ClientProcesses(2) as processes:
+            with pytest.raises(asyncio.TimeoutError):
+                processes.run(job, deadline=time.monotonic() + 1.0)
+            assert not any(proc.is_alive() for proc in processes.procs)
 
 
 def test_arrival_offsets_are_poisson_and_seeded() -> None:
