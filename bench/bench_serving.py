@@ -15,6 +15,11 @@ opt-in because it makes the server compute a log-softmax over the vocabulary for
 Output tokens are counted from the server's `usage` (`stream_options.include_usage`); a server that sends
 no usage gets one token per output chunk (or per logprob entry).
 
+The requests are sent and timed by client processes (serving_clients.py; --client-processes): one process
+parsing every chunk of 32 fast streams cannot keep up, and then times its own backlog, not the server.
+`--emit-timestamps` (srt only) checks it: the summary adds server ITL (timed by the scheduler) and the lag of
+each stage down to the client's parsed chunk (serving_metrics.py).
+
 Random dataset: each prompt is a list of token ids drawn uniformly from [3, vocab) (ids 0-2 are pad, eos and
 bos in Gemma's vocabulary), sent as `prompt` of /v1/completions, so the server sees exactly `input_len`
 tokens and the radix cache finds no shared prefixes. The vocabulary size comes from --vocab-size or from the
@@ -43,10 +48,8 @@ Examples (a server on the default port):
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -54,24 +57,27 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import httpx
-import openai
+from serving_clients import ClientProcesses, Job, default_process_count
 from serving_metrics import (  # noqa: F401  (re-exported: bench_serving is the module users and tests import)
+    EMIT_STAGES,
     BenchmarkMetrics,
     LatencyStats,
     RequestRecord,
     arrival_timings,
     compute_metrics,
+    emit_timings,
     format_summary,
     latency_stats,
+    metrics_from_json,
     tpot_s,
     write_plot,
 )
 from serving_requests import (  # noqa: F401  (re-exported)
     FIRST_SAFE_TOKEN_ID,
     RequestSpec,
+    arrival_offsets,
     as_chat_text,
     random_requests,
-    run_requests,
     sample_len,
 )
 from serving_workloads import WORKLOADS, Run, describe, get_workload, run_at
@@ -118,43 +124,44 @@ def build_requests(
     return timed, warmup
 
 
-async def benchmark(
-    args: argparse.Namespace, run: Run, model: str, timed: list[RequestSpec], warmup: list[RequestSpec]
+def benchmark(
+    args: argparse.Namespace,
+    run: Run,
+    model: str,
+    timed: list[RequestSpec],
+    warmup: list[RequestSpec],
+    deadline: float | None = None,
 ) -> tuple[list[RequestRecord], float]:
-    """Warm up, then run the timed requests; their records and the run's duration in seconds."""
-    # One connection per request that may be open at once: the client's default pool (1000) would otherwise
-    # queue requests on the client and count the wait as TTFT.
-    connections = run.concurrency or max(len(timed), len(warmup))
-    client = openai.AsyncOpenAI(
-        base_url=f"{args.base_url}/v1",
-        api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
-        max_retries=0,
-        timeout=args.request_timeout,
-        http_client=openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=connections)),
-    )
-    arrivals = random.Random(args.seed + 1)  # its own stream: the arrival times do not depend on the prompts
-    async with client:
+    """Warm up, then run the timed requests from the client processes (serving_clients.py); their records and
+    the run's duration in seconds. asyncio.TimeoutError past `deadline` (time.monotonic())."""
+
+    def job(specs: list[RequestSpec], send_at: list[float]) -> Job:
+        return Job(
+            args.base_url, args.backend, model, args.request_timeout, args.stream_logprobs, args.emit_timestamps,
+            specs, send_at, run.concurrency,
+        )  # fmt: skip
+
+    processes = args.client_processes or default_process_count(run.concurrency, len(timed))
+    print(f"Sending from {processes} client processes", file=sys.stderr)
+    with ClientProcesses(processes) as clients:
         if warmup:
             print(f"Warming up with {len(warmup)} requests ...", file=sys.stderr)
-            records = await run_requests(client, args, model, warmup, math.inf, run.concurrency, arrivals)
+            records, _ = clients.run(job(warmup, [0.0] * len(warmup)), deadline)
             failed = [r.error for r in records if not r.success]
             if failed:
                 raise WarmupFailed(f"{len(failed)} warmup request(s) failed, e.g. {failed[0]}")
+        arrivals = random.Random(args.seed + 1)  # its own stream: the arrival times do not depend on the prompts
+        send_at = arrival_offsets(len(timed), args.request_rate, arrivals)
         with tqdm(total=len(timed), disable=args.disable_tqdm, desc="requests") as progress:
-            start = time.perf_counter()
-            records = await run_requests(
-                client, args, model, timed, args.request_rate, run.concurrency, arrivals, progress
-            )
-            duration = time.perf_counter() - start
-    return records, duration
+            return clients.run(job(timed, send_at), deadline, progress)
 
 
 def run_one(args: argparse.Namespace, run: Run, server: ServerFacts, time_limit_s: float | None = None) -> RunResult:
     """Warm up and time one run against `server`; asyncio.TimeoutError past `time_limit_s` (its requests are
     cancelled)."""
     timed, warmup = build_requests(args, run, server.vocab_size, args.tokenizer or server.root)
-    work = benchmark(args, run, server.model, timed, warmup)
-    records, duration = asyncio.run(asyncio.wait_for(work, time_limit_s) if time_limit_s else work)
+    deadline = time.monotonic() + time_limit_s if time_limit_s else None
+    records, duration = benchmark(args, run, server.model, timed, warmup, deadline)
     return RunResult(run, records, compute_metrics(records, duration))
 
 
@@ -210,6 +217,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--warmup-requests", type=int, help="Requests sent (and awaited) before each timed run (default 0).")
     add("--request-timeout", type=float, default=3600.0, help="Seconds before one request counts as failed.")
     add("--stream-logprobs", action="store_true", help="Count each chunk's tokens by its logprobs (costs the server).")
+    add(
+        "--client-processes",
+        type=int,
+        help="Processes that send and time the requests (default: one per 8 open streams, at most half the"
+        " cores; serving_clients.py says why). 1: every stream in one process, as before.",
+    )
+    add(
+        "--emit-timestamps",
+        action="store_true",
+        help="Ask srt for each chunk's emit times; report server ITL and where tokens wait (serving_metrics.py).",
+    )
     add("--output-json", type=Path, help="Write config, metrics and per-request records here.")
     add("--plot", type=Path, help="Write latency CDFs here (PNG; needs matplotlib).")
     add("--disable-tqdm", action="store_true", help="No progress bar.")
@@ -223,6 +241,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--request-rate must be > 0 and --max-concurrency >= 1")
     if args.warmup_requests is not None and args.warmup_requests < 0:
         parser.error("--warmup-requests must be >= 0")
+    if args.client_processes is not None and args.client_processes < 1:
+        parser.error("--client-processes must be >= 1")
     return args
 
 

@@ -49,6 +49,10 @@ ROWS = [
     ("Output tok/s", "output_throughput", None),
     ("Total tok/s", "total_throughput", None),
     ("Tokens per chunk", "tokens_per_chunk", None),  # 1.000: every token streamed alone, ITL is per token
+    # with --emit-timestamps: ITL as the scheduler emitted tokens, and how long the client took to parse them
+    ("Server ITL p50 (ms)", "server_itl_ms", "p50"),
+    ("Client lag p50 (ms)", "emit_lag_ms", "client.p50"),
+    ("Client lag p99 (ms)", "emit_lag_ms", "client.p99"),
 ]
 
 
@@ -64,13 +68,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="Seconds for a server to get ready.")
     parser.add_argument("--time-limit", type=float, help="Seconds for the whole command (default: none).")
     parser.add_argument("--stream-logprobs", action="store_true", help="See bench_serving.py --help.")
+    parser.add_argument("--emit-timestamps", action="store_true", help="See bench_serving.py --help.")
+    parser.add_argument("--client-processes", type=int, help="See bench_serving.py --help.")
     return parser.parse_known_args(argv)
 
 
 def metric(metrics: BenchmarkMetrics | None, name: str, stat: str | None) -> float | None:
-    if metrics is None:
-        return None
-    value = getattr(metrics, name)
+    """One number of `metrics`: field `name`, its `stat`; "stage.stat" picks a stage of emit_lag_ms."""
+    value = None if metrics is None else getattr(metrics, name)
+    if stat is not None and "." in stat and value is not None:
+        stage, stat = stat.split(".")
+        value = value.get(stage)
     return value if stat is None or value is None else getattr(value, stat)
 
 
@@ -95,7 +103,10 @@ def run_setting(
         if logged in SETTINGS and logged != yoco:
             raise RuntimeError(f"GEMMA4_YOCO asked for YOCO {yoco}; the server's model says {logged} ({log})")
         bench_argv = ["--base-url", server.url, "--workload", workload.name, "--disable-tqdm"]
-        bench_args = bench_serving.parse_args(bench_argv + (["--stream-logprobs"] if args.stream_logprobs else []))
+        bench_argv += ["--stream-logprobs"] if args.stream_logprobs else []
+        bench_argv += ["--emit-timestamps"] if args.emit_timestamps else []
+        bench_argv += ["--client-processes", str(args.client_processes)] if args.client_processes else []
+        bench_args = bench_serving.parse_args(bench_argv)
         facts = bench_serving.discover_server(server.url)
         for run in bench_args.runs:
             title = f"{workload.name}, YOCO {yoco}: concurrency {run.concurrency}, {run.num_prompts} prompts"

@@ -8,6 +8,13 @@ Definitions (as vLLM's and SGLang's bench_serving define them), all timed on the
 A chunk is one token arrival unless the request asked for logprobs (`--stream-logprobs`): then a chunk that
 carries n tokens (its logprob entries) adds n gaps of (time since the previous chunk) / n to ITL, as SGLang's
 client does.
+
+With `--emit-timestamps` srt stamps each streamed chunk with when its step's tokens left each serving process
+(`emit_ts`, wall-clock seconds), and two more figures say where tokens wait:
+    server ITL   ITL timed by the scheduler's emit times: what clients would see if nothing after the
+                 scheduler held tokens back
+    emit lag     per stage, per chunk: the time from the stage before it, along
+                 scheduler -> detokenizer -> tokenizer_manager -> sse (the chunk written) -> client (parsed)
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ from pathlib import Path
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+# The stages of `emit_ts` in the order a token passes them, then the client's arrival.
+EMIT_STAGES = ("scheduler", "detokenizer", "tokenizer_manager", "sse", "client")
 
 
 @dataclass
@@ -33,6 +42,8 @@ class RequestRecord:
     e2e_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
+    server_itl_s: list[float] = field(default_factory=list)  # with --emit-timestamps (module docstring)
+    emit_lag_s: dict[str, list[float]] = field(default_factory=dict)  # stage -> one lag per chunk
 
 
 def arrival_timings(start: float, arrivals: list[tuple[float, int]]) -> tuple[float, list[float]]:
@@ -45,6 +56,17 @@ def arrival_timings(start: float, arrivals: list[tuple[float, int]]) -> tuple[fl
     for (before, _), (now, tokens) in zip(arrivals, arrivals[1:]):
         gaps += [(now - before) / tokens] * tokens
     return ttft, gaps
+
+
+def emit_timings(chunks: list[tuple[dict[str, float], int]]) -> tuple[list[float], dict[str, list[float]]]:
+    """(server ITL gaps, emit lag per stage) of one request from its output chunks: (the chunk's `emit_ts` with
+    "client", its wall-clock arrival, added; tokens in the chunk). Gaps split as `arrival_timings` splits them."""
+    _, server_itl = arrival_timings(0.0, [(times["scheduler"], tokens) for times, tokens in chunks])
+    lag = {
+        stage: [times[stage] - times[before] for times, _ in chunks]
+        for before, stage in zip(EMIT_STAGES, EMIT_STAGES[1:])
+    }
+    return server_itl, lag
 
 
 @dataclass
@@ -74,11 +96,19 @@ class BenchmarkMetrics:
     tpot_ms: LatencyStats | None
     itl_ms: LatencyStats | None
     e2e_ms: LatencyStats | None
+    server_itl_ms: LatencyStats | None = None  # with --emit-timestamps (module docstring)
+    emit_lag_ms: dict[str, LatencyStats] | None = None
 
 
 def metrics_from_json(data: dict) -> BenchmarkMetrics:
     """`BenchmarkMetrics` back from its `asdict` form (what the JSON reports hold)."""
-    stats = {key: LatencyStats(**value) for key, value in data.items() if key.endswith("_ms") and value is not None}
+    stats = {
+        key: LatencyStats(**value)
+        for key, value in data.items()
+        if key.endswith("_ms") and key != "emit_lag_ms" and value is not None
+    }
+    if data.get("emit_lag_ms") is not None:
+        stats["emit_lag_ms"] = {stage: LatencyStats(**value) for stage, value in data["emit_lag_ms"].items()}
     return BenchmarkMetrics(**{**data, **stats})
 
 
@@ -121,7 +151,16 @@ def compute_metrics(records: list[RequestRecord], duration_s: float) -> Benchmar
         tpot_ms=latency_stats(tpots),
         itl_ms=latency_stats([gap for r in done for gap in r.itl_s]),
         e2e_ms=latency_stats([r.e2e_s for r in done]),
+        server_itl_ms=latency_stats([gap for r in done for gap in r.server_itl_s]),
+        emit_lag_ms=_emit_lag_stats(done),
     )
+
+
+def _emit_lag_stats(done: list[RequestRecord]) -> dict[str, LatencyStats] | None:
+    stages = [stage for stage in EMIT_STAGES[1:] if any(r.emit_lag_s.get(stage) for r in done)]
+    if not stages:
+        return None
+    return {stage: latency_stats([lag for r in done for lag in r.emit_lag_s.get(stage, [])]) for stage in stages}
 
 
 def format_summary(metrics: BenchmarkMetrics, backend: str, model: str, title: str = "Serving benchmark") -> str:
@@ -143,10 +182,16 @@ def format_summary(metrics: BenchmarkMetrics, backend: str, model: str, title: s
         ("Mean concurrency", f"{metrics.mean_concurrency:.2f}"),
     ]
     latencies = {"TTFT": metrics.ttft_ms, "TPOT": metrics.tpot_ms, "ITL": metrics.itl_ms, "E2E": metrics.e2e_ms}
+    if metrics.server_itl_ms is not None:
+        latencies["Server ITL"] = metrics.server_itl_ms
     for name, stats in latencies.items():
         rows.append((f"-- {name} (ms)", ""))
         for key in ("mean", "p50", "p90", "p99"):
             rows.append((f"   {key}", "n/a" if stats is None else f"{getattr(stats, key):.2f}"))
+    if metrics.emit_lag_ms is not None:
+        rows.append(("-- Emit lag, from the stage before", "ms p50 / p99"))
+        for stage, stats in metrics.emit_lag_ms.items():
+            rows.append((f"   {stage}", f"{stats.p50:.2f} / {stats.p99:.2f}"))
     width = 52
     lines = [f" {title} ".center(width, "=")]
     lines += [f"{label:<36}{value:>16}" for label, value in rows]

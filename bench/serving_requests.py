@@ -1,11 +1,8 @@
 """The requests of `bench_serving.py`: random token-id prompts, one streamed request timed chunk by chunk, and
-a run of many with Poisson arrivals and a concurrency limit."""
+the Poisson arrival times of a run (serving_clients.py sends them)."""
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import contextlib
 import math
 import random
 import time
@@ -13,8 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import openai
-from serving_metrics import RequestRecord, arrival_timings
-from tqdm import tqdm
+from serving_metrics import RequestRecord, arrival_timings, emit_timings
 
 FIRST_SAFE_TOKEN_ID = 3  # Gemma: 0 <pad>, 1 <eos>, 2 <bos>
 
@@ -56,16 +52,22 @@ def as_chat_text(specs: list[RequestSpec], tokenizer_path: str) -> list[RequestS
 
 # ---- one request ------------------------------------------------------------------------------------------
 async def open_stream(
-    client: openai.AsyncOpenAI, backend: str, model: str, spec: RequestSpec, logprobs: bool = False
+    client: openai.AsyncOpenAI,
+    backend: str,
+    model: str,
+    spec: RequestSpec,
+    logprobs: bool = False,
+    emit_ts: bool = False,
 ) -> openai.AsyncStream:
-    """Start one streamed request that asks for exactly `spec.output_len` tokens (and logprobs if asked)."""
+    """Start one streamed request that asks for exactly `spec.output_len` tokens (and logprobs and srt's emit
+    timestamps if asked)."""
     common = {
         "model": model,
         "max_tokens": spec.output_len,
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
-        "extra_body": {"ignore_eos": True},
+        "extra_body": {"ignore_eos": True, **({"return_emit_ts": True} if emit_ts else {})},
     }
     if backend == "chat":
         if logprobs:
@@ -97,21 +99,30 @@ def chunk_tokens(choice: Any, by_logprobs: bool) -> int:
 
 
 async def send_request(
-    client: openai.AsyncOpenAI, backend: str, model: str, spec: RequestSpec, logprobs: bool = False
+    client: openai.AsyncOpenAI,
+    backend: str,
+    model: str,
+    spec: RequestSpec,
+    logprobs: bool = False,
+    emit_ts: bool = False,
 ) -> RequestRecord:
-    """Send one request, time its chunks; a failure is recorded, not raised."""
+    """Send one request, time its chunks; a failure is recorded, not raised. With `emit_ts`, also where each
+    chunk waited (serving_metrics.emit_timings)."""
     record = RequestRecord(input_len=spec.input_len, output_len=spec.output_len)
     arrivals: list[tuple[float, int]] = []  # (time, tokens) of each chunk that carried output
+    emitted: list[tuple[dict[str, float], int]] = []  # (the chunk's emit_ts and wall-clock arrival, tokens)
     usage = None
     start = time.perf_counter()
     try:
-        stream = await open_stream(client, backend, model, spec, logprobs)
+        stream = await open_stream(client, backend, model, spec, logprobs, emit_ts)
         async for chunk in stream:
             now = time.perf_counter()
             usage = chunk.usage or usage
             tokens = sum(chunk_tokens(choice, logprobs) for choice in chunk.choices)
             if tokens:
                 arrivals.append((now, tokens))
+                if emit_ts:
+                    emitted.append(({**chunk.model_extra["emit_ts"], "client": time.time()}, tokens))
         record.e2e_s = time.perf_counter() - start
     except Exception as error:  # any failure of one request is a data point, not the end of the run
         record.error = f"{type(error).__name__}: {error}"
@@ -120,6 +131,8 @@ async def send_request(
         record.error = "the stream ended without output"
         return record
     record.ttft_s, record.itl_s = arrival_timings(start, arrivals)
+    if emitted:
+        record.server_itl_s, record.emit_lag_s = emit_timings(emitted)
     record.chunks = len(arrivals)
     record.output_tokens = usage.completion_tokens if usage else sum(tokens for _, tokens in arrivals)
     record.input_len = usage.prompt_tokens if usage else spec.input_len
@@ -128,29 +141,12 @@ async def send_request(
 
 
 # ---- the run ----------------------------------------------------------------------------------------------
-async def run_requests(
-    client: openai.AsyncOpenAI,
-    args: argparse.Namespace,
-    model: str,
-    specs: list[RequestSpec],
-    request_rate: float,
-    max_concurrency: int | None,
-    rng: random.Random,
-    progress: tqdm | None = None,
-) -> list[RequestRecord]:
-    """Send `specs` with Poisson arrivals at `request_rate` (inf: all at once), at most `max_concurrency` open."""
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else contextlib.nullcontext()
-
-    async def one(spec: RequestSpec) -> RequestRecord:
-        async with limit:
-            record = await send_request(client, args.backend, model, spec, args.stream_logprobs)
-        if progress is not None:
-            progress.update(1)
-        return record
-
-    tasks = []
-    for i, spec in enumerate(specs):
-        tasks.append(asyncio.create_task(one(spec)))
-        if math.isfinite(request_rate) and i + 1 < len(specs):
-            await asyncio.sleep(rng.expovariate(request_rate))  # exponential gaps: a Poisson process
-    return list(await asyncio.gather(*tasks))
+def arrival_offsets(num: int, request_rate: float, rng: random.Random) -> list[float]:
+    """When each of `num` requests is due, in seconds after the first: Poisson arrivals at `request_rate`
+    (exponential gaps), or all at once for inf."""
+    offsets, at = [], 0.0
+    for i in range(num):
+        offsets.append(at)
+        if math.isfinite(request_rate) and i + 1 < num:
+            at += rng.expovariate(request_rate)
+    return offsets

@@ -7,12 +7,19 @@ bookkeeping.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import importlib.util
 import json
+import math
+import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -36,6 +43,11 @@ def _load_bench():
 
 
 bench = _load_bench()
+
+
+def _load_sibling(name: str):
+    """A module of bench/ by name, as bench_serving imports it (bench/ is on sys.path by now)."""
+    return importlib.import_module(name)
 
 
 # ---- pure functions ---------------------------------------------------------------------------------------
@@ -86,6 +98,74 @@ def test_arrival_timings_split_a_chunk_of_several_tokens_into_equal_gaps() -> No
     assert ttft == pytest.approx(0.2)  # the first chunk's second token adds no gap: nothing times it apart
     assert gaps == pytest.approx([0.5, 0.2, 0.2, 0.2])
     assert bench.arrival_timings(0.0, [(0.3, 1)]) == (pytest.approx(0.3), [])
+
+
+def test_emit_timings_time_the_server_and_each_stage() -> None:
+    def chunk(scheduler: float, tokens: int = 1) -> tuple[dict, int]:
+        # detokenizer +1 ms, tokenizer manager +2 ms, SSE write +4 ms, client +8 ms after the scheduler
+        stages = [scheduler, scheduler + 0.001, scheduler + 0.003, scheduler + 0.007, scheduler + 0.015]
+        return dict(zip(bench.EMIT_STAGES, stages)), tokens
+
+    server_itl, lag = bench.emit_timings([chunk(10.0), chunk(10.006), chunk(10.018, tokens=2)])
+    assert server_itl == pytest.approx([0.006, 0.006, 0.006])  # a chunk of 2 tokens: 2 equal gaps
+    want = {"detokenizer": 0.001, "tokenizer_manager": 0.002, "sse": 0.004, "client": 0.008}
+    assert list(lag) == list(want) and all(lag[stage] == pytest.approx([want[stage]] * 3) for stage in want)
+
+    timed = bench.RequestRecord(
+        8, 4, success=True, output_tokens=4, ttft_s=0.1, e2e_s=0.12, itl_s=[0.0002, 0.0002, 0.02],
+        server_itl_s=server_itl, emit_lag_s=lag,
+    )  # fmt: skip
+    untimed = bench.RequestRecord(8, 4, success=True, output_tokens=4, ttft_s=0.1, e2e_s=1)  # a server without it
+    metrics = bench.compute_metrics([timed, untimed], 1.0)
+    assert metrics.server_itl_ms.p50 == pytest.approx(6.0) and metrics.itl_ms.p50 == pytest.approx(0.2)
+    assert metrics.emit_lag_ms["client"].p50 == pytest.approx(8.0) and list(metrics.emit_lag_ms) == list(lag)
+    assert bench.metrics_from_json(json.loads(json.dumps(dataclasses.asdict(metrics)))) == metrics
+    assert "Server ITL" in bench.format_summary(metrics, "completions", "m")
+    plain = bench.compute_metrics([bench.RequestRecord(8, 4, success=True, output_tokens=1, ttft_s=0.1, e2e_s=1)], 1)
+    assert plain.server_itl_ms is None and plain.emit_lag_ms is None
+    assert "Server ITL" not in bench.format_summary(plain, "completions", "m")
+
+
+def test_client_processes_share_requests_and_the_concurrency_limit() -> None:
+    clients = _load_sibling("serving_clients")
+    specs = bench.random_requests(10, 4, 4, 1.0, 50, random.Random(0))
+    whole = clients.Job("http://x", "completions", "m", 1.0, False, False, specs, [0.1 * i for i in range(10)], 7)
+    jobs = clients.split(whole, 3)
+    assert [job.concurrency for job in jobs] == [3, 2, 2]  # shares of the limit add up to it
+    assert [job.specs for job in jobs] == [specs[0::3], specs[1::3], specs[2::3]]  # request i to process i % 3
+    assert jobs[1].send_at == pytest.approx([0.1, 0.4, 0.7])  # each request keeps its arrival time
+    assert len(clients.split(whole, 16)) == 7  # never more processes than slots...
+    assert len(clients.split(replace(whole, concurrency=None, specs=specs[:2]), 4)) == 2  # ...or requests
+    assert [job.concurrency for job in clients.split(replace(whole, concurrency=None), 2)] == [None, None]
+
+    results = [clients.JobResult([("record", i) for i in range(k, 10, 3)], 0.0) for k in range(3)]
+    assert clients.merge(whole, jobs, results) == [("record", i) for i in range(10)]  # request order again
+    assert clients.default_process_count(32, 128) == min(4, max(1, (os.cpu_count() or 2) // 2))
+
+
+def test_client_processes_stop_at_the_deadline() -> None:
+    """A server that accepts connections and never answers: the run ends at its deadline with
+    asyncio.TimeoutError (what serving_ab's --time-limit relies on), its processes stopped."""
+    clients = _load_sibling("serving_clients")
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        specs = bench.random_requests(4, 4, 2, 1.0, 50, random.Random(0))
+        job = clients.Job(url, "completions", "m", 60.0, False, False, specs, [0.0] * 4, 4)
+        with clients.ClientProcesses(2) as processes:
+            with pytest.raises(asyncio.TimeoutError):
+                processes.run(job, deadline=time.monotonic() + 1.0)
+            assert not any(proc.is_alive() for proc in processes.procs)
+
+
+def test_arrival_offsets_are_poisson_and_seeded() -> None:
+    assert bench.arrival_offsets(4, math.inf, random.Random(0)) == [0.0] * 4
+    offsets = bench.arrival_offsets(2000, 50.0, random.Random(1))
+    gaps = [b - a for a, b in zip(offsets, offsets[1:])]
+    assert offsets[0] == 0.0 and min(gaps) > 0 and statistics.fmean(gaps) == pytest.approx(1 / 50, rel=0.1)
+    rng = random.Random(1)
+    assert gaps[:3] == pytest.approx([rng.expovariate(50.0) for _ in range(3)])  # one draw per gap, in order
 
 
 def test_workloads_set_lengths_and_runs_and_explicit_flags_win() -> None:
@@ -170,6 +250,40 @@ def test_completions_run_sends_exact_lengths_and_reports_every_metric(server, mo
     assert metrics["mean_concurrency"] <= 2 + 1e-9  # --max-concurrency 2: never more than 2 requests open
     assert report["config"]["model"] == str(model)  # the server's default served name: the checkpoint path
     assert plot.read_bytes().startswith(PNG_MAGIC)
+
+
+def test_emit_timestamps_run_reports_where_tokens_wait(server, tmp_path) -> None:
+    report = run_bench(
+        server.url, tmp_path / "emit.json", "--num-prompts", "3", "--random-input-len", "16",
+        "--random-output-len", "5", "--max-concurrency", "3", "--emit-timestamps",
+    )  # fmt: skip
+    metrics = report["metrics"]
+    assert metrics["completed"] == 3 and metrics["server_itl_ms"]["p50"] > 0
+    assert list(metrics["emit_lag_ms"]) == ["detokenizer", "tokenizer_manager", "sse", "client"]
+    for record in report["requests"]:
+        chunks = record["chunks"]
+        assert len(record["server_itl_s"]) == len(record["itl_s"]) == chunks - 1  # a gap between two chunks
+        assert all(len(lags) == chunks and min(lags) >= 0 for lags in record["emit_lag_s"].values())
+
+
+def test_run_from_two_client_processes(server, tmp_path) -> None:
+    """Requests spread over two client processes come back in request order with their own lengths, and the
+    two processes never have more requests open than the limit."""
+    before = generated_total(server.url)
+    report = run_bench(
+        server.url, tmp_path / "two.json", "--num-prompts", "6", "--random-input-len", "12",
+        "--random-output-len", "6", "--random-range-ratio", "0.3", "--max-concurrency", "3",
+        "--client-processes", "2", "--warmup-requests", "2", "--request-rate", "40",
+    )  # fmt: skip
+    vocab = report["config"]["vocab_size"]
+    rng = random.Random(0)  # what the script drew (seed 0): the timed requests, then the warm-up ones
+    specs, warmup = bench.random_requests(6, 12, 6, 0.3, vocab, rng), bench.random_requests(2, 12, 6, 0.3, vocab, rng)
+    records = report["requests"]
+    assert [(r["input_len"], r["output_tokens"]) for r in records] == [(s.input_len, s.output_len) for s in specs]
+    assert generated_total(server.url) - before == sum(s.output_len for s in specs + warmup)
+    metrics = report["metrics"]
+    assert metrics["completed"] == 6 and metrics["mean_concurrency"] <= 3 + 1e-9
+    assert metrics["output_throughput"] == pytest.approx(metrics["total_output_tokens"] / metrics["duration_s"])
 
 
 def test_chat_run_with_poisson_arrivals(server, tmp_path) -> None:

@@ -21,7 +21,7 @@ def test_yoco_ab_runs_the_workload_on_two_servers_and_prints_ratios(tiny_checkpo
     for key, value in MODEL_ARGS.items():
         server_args += [f"--{key.replace('_', '-')}", str(value)]
     command = [sys.executable, str(SCRIPT), "--workload", "smoke", "--out-dir", str(out_dir), "--port", str(port)]
-    command += ["--time-limit", "150", *server_args]
+    command += ["--time-limit", "150", "--emit-timestamps", "--client-processes", "2", *server_args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, env={**os.environ, **CHILD_ENV})
     assert done.returncode == 0, done.stderr[-3000:]
 
@@ -45,6 +45,10 @@ def test_yoco_ab_runs_the_workload_on_two_servers_and_prints_ratios(tiny_checkpo
     on, off = (settings[i]["runs"][0]["metrics"]["ttft_ms"]["mean"] for i in (0, 1))
     ttft_row = next(line for line in table.splitlines() if line.startswith("TTFT mean"))
     assert ttft_row.split() == ["TTFT", "mean", "(ms)", f"{on:.2f}", f"{off:.2f}", f"{off / on:.3f}"]
+    # the bench flags reached the runs: emit times asked for, and the table reads their client stage
+    lag = [settings[i]["runs"][0]["metrics"]["emit_lag_ms"]["client"]["p50"] for i in (0, 1)]
+    lag_row = next(line for line in table.splitlines() if line.startswith("Client lag p50"))
+    assert lag_row.split()[4:6] == [f"{lag[0]:.2f}", f"{lag[1]:.2f}"]
     assert (out_dir / "ab-smoke.png").read_bytes().startswith(b"\x89PNG")
 
 

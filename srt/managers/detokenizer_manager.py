@@ -70,7 +70,7 @@ class DetokenizerManager:
         elif isinstance(message, BatchTokenIDOut):
             outputs = [out for out in map(self.detokenize, message.outputs) if out is not None]
             if outputs:
-                self.send_socket.send_pyobj(BatchStrOut(outputs))
+                self.send_socket.send_pyobj(BatchStrOut(outputs, message.times.stamp("detokenizer")))
         else:
             if isinstance(message, GenerateError):
                 self.states.pop(message.rid, None)

@@ -35,6 +35,8 @@ class GenerateReqInput:
     rid: str | list[str] | None = None
     # the chat endpoint's prompts come from the chat template, which already starts with <bos>
     add_special_tokens: bool = True
+    # streamed chunks carry meta_info["emit_ts"]: when the step's tokens left each process (io_struct.EmitTimes)
+    return_emit_ts: bool = False
 
     @property
     def is_batch(self) -> bool:
@@ -62,8 +64,9 @@ class GenerateReqInput:
 
     def expand(self) -> list[SingleReq]:
         """One SingleReq per output; ValueError naming the first malformed field."""
-        if not isinstance(self.stream, bool):
-            raise ValueError(f"stream must be a bool, got {self.stream!r}")
+        for name in ("stream", "return_emit_ts"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         num = self.num_prompts()
         params = _per_prompt("sampling_params", self.sampling_params, num, self.is_batch)
         return_logprob = _per_prompt("return_logprob", self.return_logprob, num, self.is_batch)

@@ -6,7 +6,9 @@
      and with top_logprobs_num: "input_top_logprobs", "output_top_logprobs" (a list of those per position)}}
 
 A streamed chunk has the same keys, with `text`, `output_ids` and the logprob lists holding only what is
-new since the previous chunk (counts and finish_reason are the totals so far).
+new since the previous chunk (counts and finish_reason are the totals so far); with `return_emit_ts` its
+meta_info also has "emit_ts": {"scheduler", "detokenizer", "tokenizer_manager"}, when the step's tokens left
+each process (wall-clock seconds; io_struct.EmitTimes).
 """
 
 from __future__ import annotations

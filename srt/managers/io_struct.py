@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass, field
 
 from srt.sampling.sampling_params import SamplingParams
@@ -81,11 +83,32 @@ class DetokenizeInit:
     skip_special_tokens: bool
 
 
+@dataclass(frozen=True)
+class EmitTimes:
+    """When one step's outputs left each serving process: wall-clock seconds (`time.time()`, comparable
+    across the processes of one host), in SGLang's `*_ts` style. A request with `return_emit_ts` gets them
+    in every streamed chunk; stamping one float per process per step costs nothing measurable otherwise."""
+
+    scheduler: float  # the scheduler sent the step's tokens
+    detokenizer: float = 0.0  # the detokenizer sent their text
+    tokenizer_manager: float = 0.0  # the tokenizer manager received it
+
+    def stamp(self, stage: str) -> EmitTimes:
+        """These times with `stage` set to now."""
+        return dataclasses.replace(self, **{stage: time.time()})
+
+    def to_json(self) -> dict[str, float]:
+        # spelled out: dataclasses.asdict deep-copies, a cost paid on every chunk of a timed stream
+        times = {"scheduler": self.scheduler, "detokenizer": self.detokenizer}
+        return {**times, "tokenizer_manager": self.tokenizer_manager}
+
+
 @dataclass
 class BatchTokenIDOut:
-    """Scheduler -> detokenizer: the outputs of one scheduler step."""
+    """Scheduler -> detokenizer: the outputs of one scheduler step (built right before it is sent)."""
 
     outputs: list[ReqOutput]
+    times: EmitTimes = field(default_factory=lambda: EmitTimes(time.time()))
 
 
 @dataclass
@@ -102,7 +125,10 @@ class StrOutput:
 
 @dataclass
 class BatchStrOut:
+    """Detokenizer -> tokenizer manager: the text outputs of one scheduler step."""
+
     outputs: list[StrOutput]
+    times: EmitTimes
 
 
 @dataclass

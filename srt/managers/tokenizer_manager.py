@@ -192,13 +192,16 @@ class TokenizerManager:
                 item = await self._next(queue, watch)
                 if isinstance(item, Exception):
                     raise item
-                state, out = item
+                state, out, times = item
                 self._on_output(state, out)
                 if out.output.finished:
                     pending.discard(out.output.rid)
                     self.states.pop(out.output.rid, None)
                 if obj.stream:
-                    yield state.index, state.builder.chunk(out)
+                    chunk = state.builder.chunk(out)
+                    if obj.return_emit_ts:
+                        chunk["meta_info"]["emit_ts"] = times.to_json()
+                    yield state.index, chunk
                 elif out.output.finished:
                     yield state.index, state.builder.result()
         finally:
@@ -283,10 +286,11 @@ class TokenizerManager:
                 continue
             message = await self._recv.recv_pyobj()
             if isinstance(message, BatchStrOut):
+                times = message.times.stamp("tokenizer_manager")
                 for out in message.outputs:
                     state = self.states.get(out.output.rid)
                     if state is not None:
-                        state.queue.put_nowait((state, out))
+                        state.queue.put_nowait((state, out, times))
             elif isinstance(message, GenerateError):
                 state = self.states.pop(message.rid, None)
                 if state is not None:

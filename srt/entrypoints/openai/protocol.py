@@ -44,6 +44,8 @@ class SamplingExtensions(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stop_token_ids: list[int] | None = None
+    # srt's: every streamed chunk carries "emit_ts" (response_parts.emit_ts), for measuring where tokens wait
+    return_emit_ts: bool = False
 
     def sampling_params(self, max_tokens: int | None) -> dict[str, Any]:
         """SamplingParams fields for this request (validated later, by SamplingParams itself)."""

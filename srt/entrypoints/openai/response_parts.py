@@ -54,6 +54,12 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def emit_ts(meta: dict) -> dict[str, float]:
+    """A streamed chunk's `emit_ts`: when its tokens left the scheduler, the detokenizer and the tokenizer
+    manager (io_struct.EmitTimes), and "sse": now, as the chunk is written (wall-clock seconds)."""
+    return {**meta["emit_ts"], "sse": time.time()}
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

@@ -15,6 +15,7 @@ from srt.entrypoints.openai.response_parts import (
     SSE_DONE,
     RequestError,
     check_model,
+    emit_ts,
     finish_reason,
     matched_stop,
     new_id,
@@ -43,6 +44,7 @@ class ChatRun:
             top_logprobs_num=(request.top_logprobs or 0) if request.logprobs else 0,
             stream=request.stream,
             add_special_tokens=False,
+            return_emit_ts=request.return_emit_ts,
         )
         try:
             self.prepared = tm.prepare(self.obj)
@@ -92,7 +94,10 @@ class ChatRun:
                 }
                 if reason is not None:
                     choice["matched_stop"] = matched_stop(meta)
-                yield sse({**envelope, "choices": [choice]})
+                payload = {**envelope, "choices": [choice]}
+                if self.request.return_emit_ts:
+                    payload["emit_ts"] = emit_ts(meta)
+                yield sse(payload)
             if self.request.include_usage:
                 yield sse({**envelope, "choices": [], "usage": usage(metas, self.request.n)})
             yield SSE_DONE

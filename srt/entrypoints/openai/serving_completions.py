@@ -13,6 +13,7 @@ from srt.entrypoints.openai.response_parts import (
     SSE_DONE,
     RequestError,
     check_model,
+    emit_ts,
     finish_reason,
     matched_stop,
     new_id,
@@ -43,6 +44,7 @@ class CompletionRun:
             logprob_start_len=0 if wants_logprobs and request.echo else None,
             top_logprobs_num=request.logprobs or 0,
             stream=request.stream,
+            return_emit_ts=request.return_emit_ts,
         )
         try:
             self.prepared = tm.prepare(self.obj)
@@ -72,7 +74,10 @@ class CompletionRun:
                     continue  # tokens held back (half a character, a possible stop string): nothing to show yet
                 choice = self._choice(index, chunk, first=first)
                 started.add(index)
-                yield sse({**self._envelope(), "choices": [choice]})
+                payload = {**self._envelope(), "choices": [choice]}
+                if self.request.return_emit_ts:
+                    payload["emit_ts"] = emit_ts(chunk["meta_info"])
+                yield sse(payload)
             if self.request.include_usage:
                 yield sse({**self._envelope(), "choices": [], "usage": usage(metas, self.request.n)})
             yield SSE_DONE
