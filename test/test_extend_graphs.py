@@ -149,3 +149,21 @@ def test_token_step_graphs_give_the_eager_outputs(tiny_checkpoint, variant: str)
     eager.close()
     del graphs, eager
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("variant", ["tiny-gemma-4-E4B-it", "tiny-gemma-4-31B-it"])
+def test_as_many_padded_logits_rows_as_tokens(tiny_checkpoint, variant: str) -> None:
+    """A 64-token step of a runner taking 64 requests pads its logits rows to 64, one per token: they are still
+    gathered rows (each request's last), not every row in order."""
+    path = tiny_checkpoint(variant)
+    padded = Driver(build_runner(path, True, max_running_requests=64))
+    plain = Driver(build_runner(path, False, max_running_requests=64))
+    calls: list[int] = []
+    spy_on_steps(padded.runner.extend_graphs.steps, calls)
+    vocab = plain.runner.model_config.vocab_size
+    for driver in (padded, plain):
+        driver.forward(ForwardMode.EXTEND, [("a", prompt(vocab, 30, 1)), ("b", prompt(vocab, 20, 2))], [29, 49])
+    assert calls == [64]
+    assert_same_outputs(padded, plain)
+    padded.close()
+    plain.close()

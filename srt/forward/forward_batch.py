@@ -57,7 +57,8 @@ class ForwardBatch:
     logits_rows_cpu: list[int] = field(default_factory=list)
     attn_metadata: Any = None  # built by the attention backend's init_forward_metadata
     # the logits rows as a batch of their own, laid out on the device by the caller (a captured step, whose host
-    # lists cannot describe the batch it replays); without it `logits_batch()` derives it with `select_rows`
+    # lists cannot describe the batch it replays, and whose padded logits rows are not "every row in order" even
+    # when there are as many as tokens); without it `logits_batch()` derives it with `select_rows`
     logits_subset: ForwardBatch | None = None
 
     def __post_init__(self) -> None:

@@ -146,7 +146,8 @@ class ExtendGraphs:
             extend_prefix_lens_cpu=host["extend_prefix_lens"],
             extend_seq_lens_cpu=host["extend_seq_lens"],
             logits_rows_cpu=host["logits_rows"],
-            logits_subset=logits_batch if self.yoco else None,
+            # laid out here, padded: never "every row in order", even with as many logits rows as tokens
+            logits_subset=logits_batch,
         )
         out = self.model(batch, self.backend)
         logits = self.logits_out[:rows]
