@@ -21,6 +21,21 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     stream: bool = False
 
+    def check(self, vocab_size: int, context_len: int, pool_tokens: int) -> None:
+        """ValueError naming the field that makes this request unservable by a model and its KV pool."""
+        self.sampling_params.validate(vocab_size)
+        if not self.input_ids:
+            raise ValueError("input_ids must not be empty")
+        if any(not 0 <= tok < vocab_size for tok in self.input_ids):
+            raise ValueError(f"input_ids must be token ids in [0, {vocab_size})")
+        if len(self.input_ids) >= context_len:
+            raise ValueError(f"input_ids has {len(self.input_ids)} tokens; the context length is {context_len}")
+        if len(self.input_ids) >= pool_tokens:
+            raise ValueError(f"input_ids has {len(self.input_ids)} tokens; the KV pool holds {pool_tokens}")
+        start = self.logprob_start_len
+        if start is not None and not 0 <= start <= len(self.input_ids):
+            raise ValueError(f"logprob_start_len must be in [0, {len(self.input_ids)}], got {start}")
+
 
 @dataclass
 class AbortReq:

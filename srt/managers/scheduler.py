@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from srt.forward.forward_batch import ForwardMode
+from srt.managers import request_kv
 from srt.managers.io_struct import FinishReason, ReqOutput, TokenizedGenerateReq
 from srt.managers.request_output import (
     SampledTokens,
@@ -43,7 +44,6 @@ from srt.managers.schedule_policy import PrefillBudget, order_waiting
 from srt.mem_cache.base_prefix_cache import PrefixCache
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.swa_radix_cache import SWARadixCache
-from srt.mem_cache.swa_window import out_of_window_upto
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.batch_sampler import BatchSampler
 from srt.sampling.sampler import make_generator
@@ -89,23 +89,7 @@ class Scheduler:
     # ---- requests in -----------------------------------------------------------------------------------
     def add_request(self, request: TokenizedGenerateReq) -> None:
         """Queue a request; raises ValueError naming the bad field of an unservable one."""
-        vocab = self.runner.model_config.vocab_size
-        request.sampling_params.validate(vocab)
-        if not request.input_ids:
-            raise ValueError("input_ids must not be empty")
-        if any(not 0 <= tok < vocab for tok in request.input_ids):
-            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
-        if len(request.input_ids) >= self.runner.context_len:
-            raise ValueError(
-                f"input_ids has {len(request.input_ids)} tokens; the context length is {self.runner.context_len}"
-            )
-        if len(request.input_ids) >= self.allocator.full_size:
-            raise ValueError(
-                f"input_ids has {len(request.input_ids)} tokens; the KV pool holds {self.allocator.full_size}"
-            )
-        start = request.logprob_start_len
-        if start is not None and not 0 <= start <= len(request.input_ids):
-            raise ValueError(f"logprob_start_len must be in [0, {len(request.input_ids)}], got {start}")
+        request.check(self.runner.model_config.vocab_size, self.runner.context_len, self.allocator.full_size)
         if any(req.rid == request.rid for req in self.waiting + self.running):
             raise ValueError(f"a request with rid {request.rid!r} is already running")
         self.waiting.append(Req.from_request(request, self.runner.device))
@@ -312,11 +296,11 @@ class Scheduler:
             elif not item.decode:
                 # prompt KV (a chunk, or the whole prompt once done) goes to the cache, which then owns its
                 # sliding-window KV: requests sharing the prefix hit it until the cache evicts it
-                self._cache_prefill(req)
+                request_kv.cache_prefill(req, self.req_to_token_pool, self.cache)
             else:
                 out_of_window.append(req)
             outputs.append(collect_output(req))
-        self._free_windows(out_of_window)
+        request_kv.free_windows(out_of_window, self.req_to_token_pool, self.allocator, self.sliding_window)
         return outputs
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor, greedy_ids: torch.Tensor | None) -> SampledTokens:
@@ -338,31 +322,8 @@ class Scheduler:
         self._sampler = (reqs, sampler)
         return sample_tokens(sampler, logits, greedy_ids)
 
-    def _cache_prefill(self, req: Req) -> None:
-        """After a prefill forward: the request's tokens so far go to the cache; it keeps them locked."""
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        req.prefix = self.cache.cache_unfinished(req.tokens(0, req.kv_len), row[: req.kv_len].long(), req.prefix)
-        self.req_to_token_pool.write(req.req_pool_idx, 0, req.prefix.slots)
-        req.swa_freed_upto = max(req.swa_freed_upto, req.prefix.prefix_len)
-
-    def _free_windows(self, reqs: list[Req]) -> None:
-        """Free the sliding-window KV the requests' next queries can no longer see, in one call."""
-        table = self.req_to_token_pool.req_to_token
-        freed = []
-        for req in reqs:
-            new_upto = out_of_window_upto(req.swa_freed_upto, req.kv_len, self.sliding_window)
-            if new_upto > req.swa_freed_upto:
-                freed.append(table[req.req_pool_idx, req.swa_freed_upto : new_upto])
-                req.swa_freed_upto = new_upto
-        if freed:
-            self.allocator.free_swa(torch.cat(freed).to(torch.int64))
-
     def _release(self, req: Req) -> None:
-        """Hand the request's KV to the cache and free its row; afterwards it holds nothing."""
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx]
-        self.cache.cache_finished(req.tokens(0, req.kv_len), row[: req.kv_len].long(), req.prefix)
-        self.req_to_token_pool.free(req.req_pool_idx)
-        req.req_pool_idx, req.prefix, req.kv_len, req.swa_freed_upto = None, None, 0, 0
+        request_kv.release(req, self.req_to_token_pool, self.cache)
 
     def _retract(self, req: Req) -> None:
         """Send a decode request back to the queue; it re-runs prompt + output so far when re-admitted."""
@@ -373,14 +334,7 @@ class Scheduler:
         logger.info("KV memory short: retracted request %s (%d output tokens)", req.rid, len(req.output_ids))
 
     def _make_room(self, num_tokens: int) -> bool:
-        """Ensure `num_tokens` slots can be allocated, evicting unlocked cache entries if needed."""
-        full_short = num_tokens - self.allocator.full.available()
-        if full_short > 0:
-            self.cache.evict(full_short)
-        swa_short = num_tokens - self.allocator.swa.available()
-        if swa_short > 0:
-            self.cache.evict_swa(swa_short)  # tombstones cached prompts' sliding-window KV, LRU first
-        return self.allocator.available() >= num_tokens
+        return request_kv.make_room(num_tokens, self.allocator, self.cache)
 
     # ---- checks --------------------------------------------------------------------------------------------
     def check_integrity(self) -> None:
