@@ -67,8 +67,12 @@ def transformers_drafts(target_dir, assistant_dir, prompt: list[int]) -> list[in
     return candidates[0, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
-def test_drafts_equal_transformers_for_a_batch(variant, tiny_checkpoint):
+# the reference backend for every variant; the Triton kernels (interpreted on CPU) for one
+CASES = [(variant, "torch_native") for variant in VARIANTS] + [("E4B", "triton")]
+
+
+@pytest.mark.parametrize(("variant", "backend"), CASES)
+def test_drafts_equal_transformers_for_a_batch(variant, backend, tiny_checkpoint):
     target_dir = tiny_checkpoint(f"tiny-gemma-4-{variant}-it")
     assistant_dir = tiny_checkpoint(f"tiny-gemma-4-{variant}-it-assistant")
     args = ServerArgs(
@@ -77,6 +81,7 @@ def test_drafts_equal_transformers_for_a_batch(variant, tiny_checkpoint):
         dtype="float32",
         max_total_tokens=256,
         swa_full_tokens_ratio=1.0,
+        attention_backend=backend,
         speculative_draft_model_path=str(assistant_dir),
         speculative_num_steps=NUM_STEPS,
     )

@@ -6,7 +6,8 @@ KV-owning layer of its own type (sliding or full). srt gives the assistant's lay
 assistant layer to its target owner exactly as it resolves the target's own KV-shared layers.
 
 Its sliding layers see window + 1 tokens back from the frozen position, itself included (transformers'
-assistant mask), one more than the target's: whoever frees SWA KV must keep one token more for the drafter.
+assistant mask), one more than the target's: `swa_window` keeps W - 1 tokens for the next target query, so
+a scheduler that drafts must keep two more.
 """
 
 from __future__ import annotations
