@@ -12,6 +12,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
+SPECULATIVE_ALGORITHMS = ("FROZEN_KV_MTP",)
+MAX_SPECULATIVE_NUM_STEPS = 16
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -96,6 +98,17 @@ class ServerArgs:
         "Steps of up to this many tokens (short prefills, prompt chunks, mixed prefill + decode steps) replay "
         "CUDA graphs captured per token count; longer ones run eagerly (0: no such graphs, only decode ones).",
     )
+    # ---- speculative decoding ----
+    speculative_algorithm: str | None = _arg(
+        None,
+        "FROZEN_KV_MTP: a Gemma 4 assistant drafts tokens over the target's KV (picked automatically when the "
+        "draft model is a gemma4_assistant).",
+        SPECULATIVE_ALGORITHMS,
+    )
+    speculative_draft_model_path: str | None = _arg(
+        None, "Draft model: an assistant checkpoint directory or preset (e.g. gemma-4-E4B-it-assistant)."
+    )
+    speculative_num_steps: int = _arg(3, f"Draft tokens per round (1 to {MAX_SPECULATIVE_NUM_STEPS}).")
     # ---- serving ----
     host: str = _arg("127.0.0.1", "Address the HTTP server listens on (0.0.0.0: every interface).")
     port: int = _arg(30000, "Port of the HTTP server.")
@@ -108,13 +121,15 @@ class ServerArgs:
     log_level: str = _arg("info", "Log level of every serving process.", LOG_LEVELS)
 
     def __post_init__(self) -> None:
+        if self.speculative_draft_model_path and self.speculative_algorithm is None:
+            self.speculative_algorithm = _speculative_algorithm_of(self.speculative_draft_model_path)
         self.validate()
 
     def validate(self) -> None:
         """Raise ValueError naming the first field that is out of range."""
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
+            if choices and getattr(self, f.name) is not None and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}")
         if not 0 < self.mem_fraction_static <= 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1]; got {self.mem_fraction_static}")
@@ -136,6 +151,12 @@ class ServerArgs:
             raise ValueError(f"port must be in [0, 65535]; got {self.port}")
         if self.log_interval < 0:
             raise ValueError(f"log_interval must be >= 0; got {self.log_interval}")
+        if self.speculative_algorithm and not self.speculative_draft_model_path:
+            raise ValueError(f"speculative_algorithm {self.speculative_algorithm} needs speculative_draft_model_path")
+        if not 1 <= self.speculative_num_steps <= MAX_SPECULATIVE_NUM_STEPS:
+            raise ValueError(
+                f"speculative_num_steps must be in [1, {MAX_SPECULATIVE_NUM_STEPS}]; got {self.speculative_num_steps}"
+            )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -158,6 +179,19 @@ class ServerArgs:
     @classmethod
     def from_cli(cls, namespace: argparse.Namespace) -> ServerArgs:
         return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})
+
+
+def _speculative_algorithm_of(draft_model_path: str) -> str:
+    """The algorithm a draft model implies: FROZEN_KV_MTP for a Gemma 4 assistant."""
+    from srt.configs.assistant_config import ASSISTANT_MODEL_TYPE, draft_model_type  # transformers: import late
+
+    model_type = draft_model_type(draft_model_path)
+    if model_type != ASSISTANT_MODEL_TYPE:
+        raise ValueError(
+            f"cannot pick a speculative algorithm for draft model {draft_model_path!r} (model_type {model_type!r}); "
+            f"srt drafts with Gemma 4 assistants ({ASSISTANT_MODEL_TYPE}, FROZEN_KV_MTP)"
+        )
+    return "FROZEN_KV_MTP"
 
 
 def _cli_type(f: dataclasses.Field) -> type:

@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from transformers import Gemma4TextConfig
+from transformers import Gemma4AssistantConfig, Gemma4TextConfig
 
 _VARIANTS_FILE = Path(__file__).with_name("gemma4_variants.json")
 PUBLISHED = ("gemma-4-E2B-it", "gemma-4-E4B-it", "gemma-4-26B-A4B-it", "gemma-4-31B-it")
@@ -122,4 +122,78 @@ def preset_text_kwargs(name: str) -> dict[str, Any]:
 
 def preset_text_config(name: str) -> Gemma4TextConfig:
     """The transformers config of a preset."""
+    if is_assistant_preset(name):
+        raise ValueError(f"{name!r} is an MTP assistant preset; it has a Gemma4AssistantConfig (assistant_config)")
     return Gemma4TextConfig(**preset_text_kwargs(name))
+
+
+# ---- MTP assistants (drafters): `gemma-4-*-it-assistant`, one per published target ----
+
+ASSISTANT_SUFFIX = "-assistant"
+# The tiny assistants fit their tiny targets: backbone = the target's hidden size, the target's head dims and
+# KV heads per layer type; 32 centroids of 32 tokens each cover TINY_VOCAB_SIZE.
+_TINY_ASSISTANT = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    layer_types=_tiny_layer_types(4, 1),
+    num_attention_heads=4,
+    head_dim=32,
+    global_head_dim=64,
+    sliding_window=TINY_SLIDING_WINDOW,
+    vocab_size=TINY_VOCAB_SIZE,
+)
+_TINY_CENTROIDS = dict(num_centroids=32, centroid_intermediate_top_k=4)
+
+
+def assistant_preset_names() -> list[str]:
+    """`gemma-4-*-it-assistant` and their `tiny-` twins."""
+    return [name + ASSISTANT_SUFFIX for name in preset_names()]
+
+
+def is_assistant_preset(name: str) -> bool:
+    return name in assistant_preset_names()
+
+
+def _published_assistant(target: str) -> dict[str, Any]:
+    """The published assistant's values; 26B/31B are recorded only in part (unverified), so the missing ones
+    come from the E4B assistant (layer pattern, head dims, RoPE) and the target (KV heads of full layers)."""
+    drafters = _variants()["assistants_mtp_drafters"]
+    name = target + ASSISTANT_SUFFIX
+    if name in drafters:
+        return copy.deepcopy(drafters[name])
+    partial = copy.deepcopy(drafters[f"{name} (unverified)"])
+    values = copy.deepcopy(drafters["gemma-4-E4B-it" + ASSISTANT_SUFFIX])
+    values["text_config"].update(partial.pop("text_config"))
+    values.update(partial)
+    values["text_config"]["num_global_key_value_heads"] = _variants()[target]["text"]["num_global_key_value_heads"]
+    return values
+
+
+def assistant_config_kwargs(name: str) -> dict[str, Any]:
+    """`Gemma4AssistantConfig` keyword arguments of an assistant preset, `text_config` as a dict."""
+    if not is_assistant_preset(name):
+        raise ValueError(f"unknown assistant preset {name!r}; known: {', '.join(assistant_preset_names())}")
+    target = name.removesuffix(ASSISTANT_SUFFIX)
+    values = _published_assistant(target.removeprefix("tiny-"))
+    text = values["text_config"]
+    text.setdefault("max_position_embeddings", 131072)
+    text["num_kv_shared_layers"] = text.get("num_hidden_layers", 4)
+    if target.startswith("tiny-"):
+        tiny_target = preset_text_kwargs(target)
+        text.update(copy.deepcopy(_TINY_ASSISTANT))
+        text["num_kv_shared_layers"] = text["num_hidden_layers"]
+        text["num_key_value_heads"] = tiny_target["num_key_value_heads"]
+        if "num_global_key_value_heads" in tiny_target:
+            text["num_global_key_value_heads"] = tiny_target["num_global_key_value_heads"]
+        values["backbone_hidden_size"] = tiny_target["hidden_size"]
+        if values["use_ordered_embeddings"]:
+            values.update(_TINY_CENTROIDS)
+    return values
+
+
+def assistant_config(name: str) -> Gemma4AssistantConfig:
+    """The transformers config of an assistant preset."""
+    values = assistant_config_kwargs(name)
+    text = Gemma4TextConfig(**values.pop("text_config"))
+    return Gemma4AssistantConfig(text_config=text, **values)

@@ -21,6 +21,8 @@ from srt.model_executor.cuda_graph_runner import DecodeGraphs, SharedLayerGraphs
 from srt.model_executor.extend_graphs import ExtendGraphs, default_token_counts
 from srt.model_loader.loader import load_model
 from srt.server_args import ServerArgs
+from srt.speculative.assistant_loader import load_assistant
+from srt.speculative.frozen_kv_mtp import FrozenKVDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,18 @@ class ModelRunner:
         self.model = load_model(
             self.model_config, model_path, load_format, self.dtype, self.device, seed=server_args.seed
         )
+        # the MTP assistant (--speculative-draft-model-path): checked against the target before pools are sized
+        self.drafter: FrozenKVDrafter | None = None
+        if server_args.speculative_algorithm == "FROZEN_KV_MTP":
+            assistant = load_assistant(
+                server_args.speculative_draft_model_path,
+                self.model_config,
+                load_format,
+                self.dtype,
+                self.device,
+                seed=server_args.seed,
+            )
+            self.drafter = FrozenKVDrafter(assistant, self.model, server_args.speculative_num_steps)
         self.context_len = server_args.context_length or self.model_config.context_len
         self.eos_token_ids = checkpoint_eos_token_ids(self.model_config, server_args.model_path)
         full_tokens, swa_tokens = self._pool_sizes()
@@ -62,7 +76,11 @@ class ModelRunner:
             server_args.max_running_requests, min(self.context_len, full_tokens) + 1, self.device
         )
         self.token_allocator = SWATokenAllocator(full_tokens, swa_tokens, self.device)
-        self.kv_pool = HybridKVPool(self.model_config.layers, self.token_allocator, self.dtype, self.device)
+        # the assistant's layers join the pool's ownership map as readers of the target's KV-owning layers
+        draft_layers = self.drafter.assistant.config.layers if self.drafter else ()
+        self.kv_pool = HybridKVPool(
+            self.model_config.layers + draft_layers, self.token_allocator, self.dtype, self.device
+        )
         backend = server_args.attention_backend
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" else "torch_native"
@@ -85,7 +103,8 @@ class ModelRunner:
 
     def _pool_sizes(self) -> tuple[int, int]:
         """(full, swa) pool tokens: --max-total-tokens, else --mem-fraction-static of the GPU's memory."""
-        weight_bytes = sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
+        models = [self.model, *([self.drafter.assistant] if self.drafter else [])]
+        weight_bytes = sum(t.numel() * t.element_size() for m in models for t in m.state_dict().values())
         device_memory = None
         if self.device.type == "cuda":
             device_memory = torch.cuda.get_device_properties(self.device).total_memory

@@ -2,10 +2,13 @@
 
     python -m srt.tools.make_checkpoint --preset tiny-gemma-4-E4B-it --out /tmp/tiny-e4b [--seed 0]
         [--dtype float32|bfloat16] [--max-shard-size 200KB]
+    python -m srt.tools.make_checkpoint --preset tiny-gemma-4-E4B-it-assistant --out /tmp/tiny-e4b-assistant
 
 The directory holds config.json (`Gemma4TextConfig`, model_type `gemma4_text`), safetensors weights (sharded
 with `model.safetensors.index.json` when `--max-shard-size` is small), generation_config.json and a byte-level
-BPE tokenizer with Gemma 4's special tokens and chat template (see `tokenizer_builder`).
+BPE tokenizer with Gemma 4's special tokens and chat template (see `tokenizer_builder`). An assistant preset
+(`tiny-gemma-4-*-it-assistant`, the MTP drafter of the same tiny target) writes config.json
+(`Gemma4AssistantConfig`, model_type `gemma4_assistant`) and its weights only: it uses the target's tokenizer.
 
 Transformers' own init leaves norms at 1, `layer_scalar` at 1 and router scales at 1, which would let a
 serving implementation that ignores any of them still match the reference. Every parameter and persistent
@@ -19,13 +22,14 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import Gemma4ForCausalLM, GenerationConfig
+from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM, GenerationConfig
 from transformers.models.gemma4.modeling_gemma4 import (
     Gemma4RMSNorm,
     Gemma4TextDecoderLayer,
     Gemma4TextExperts,
     Gemma4TextRouter,
 )
+from transformers.models.gemma4_assistant.modeling_gemma4_assistant import Gemma4AssistantMaskedEmbedder
 
 from srt.configs import presets
 from srt.tools import tokenizer_builder
@@ -51,6 +55,8 @@ def make_checkpoint(
     """Build the tiny checkpoint of `preset` in directory `out` (created if needed) and return its path."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if presets.is_assistant_preset(preset):
+        return make_assistant_checkpoint(preset, out, seed, dtype)
     config = presets.preset_text_config(preset)
     if config.vocab_size != presets.TINY_VOCAB_SIZE:
         raise ValueError(f"{preset!r} is not a tiny preset; make_checkpoint only builds the tiny- presets")
@@ -84,9 +90,24 @@ def make_checkpoint(
     return out
 
 
+def make_assistant_checkpoint(preset: str, out: str | Path, seed: int = 0, dtype: str = "float32") -> Path:
+    """Build the tiny MTP assistant checkpoint of `preset` (config.json and weights) in directory `out`."""
+    config = presets.assistant_config(preset)
+    if config.text_config.vocab_size != presets.TINY_VOCAB_SIZE:
+        raise ValueError(f"{preset!r} is not a tiny preset; make_checkpoint only builds the tiny- presets")
+    torch.manual_seed(seed)
+    model = Gemma4AssistantForCausalLM(config).eval()
+    randomize_weights(model, seed)
+    model.to(DTYPES[dtype])
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    return out
+
+
 @torch.no_grad()
 def randomize_weights(model: nn.Module, seed: int) -> None:
-    """Re-draw every parameter and persistent buffer of a Gemma 4 text model from a generator seeded `seed`.
+    """Re-draw every parameter and persistent buffer of a Gemma 4 model or assistant from a generator seeded `seed`.
 
     Raises if any parameter or saved buffer is left untouched (a new transformers module would otherwise
     silently keep its default init).
@@ -121,6 +142,10 @@ def randomize_weights(model: nn.Module, seed: int) -> None:
             normal_(module.down_proj, LINEAR_STD)
         elif isinstance(module, Gemma4TextDecoderLayer):
             uniform_(module.layer_scalar, *SCALAR_RANGE)
+        elif isinstance(module, Gemma4AssistantMaskedEmbedder):
+            # which vocabulary ids make up each centroid's cluster: a seeded permutation, as trained ones are
+            module.token_ordering.copy_(torch.randperm(module.vocab_size, generator=generator))
+            touched.add(id(module.token_ordering))
 
     saved = dict(model.named_parameters())
     saved.update({name: buf for name, buf in model.named_buffers() if _is_persistent(model, name)})
@@ -137,7 +162,8 @@ def _is_persistent(model: nn.Module, buffer_name: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    tiny = [name for name in presets.preset_names() if name.startswith("tiny-")]
+    names = [*presets.preset_names(), *presets.assistant_preset_names()]
+    tiny = [name for name in names if name.startswith("tiny-")]
     parser.add_argument("--preset", required=True, choices=tiny)
     parser.add_argument("--out", required=True, help="checkpoint directory to write")
     parser.add_argument("--seed", type=int, default=0)
