@@ -69,6 +69,10 @@ class ModelRunner:
                 seed=server_args.seed,
             )
             self.drafter = FrozenKVDrafter(assistant, self.model, server_args.speculative_num_steps)
+            logger.warning(
+                "FROZEN_KV_MTP: the assistant is loaded and fits the target, but the scheduler does not verify "
+                "drafts yet (issue #23): decoding runs without speculation"
+            )
         self.context_len = server_args.context_length or self.model_config.context_len
         self.eos_token_ids = checkpoint_eos_token_ids(self.model_config, server_args.model_path)
         full_tokens, swa_tokens = self._pool_sizes()
