@@ -92,6 +92,12 @@ class ForwardBatch:
             total += n
         return starts
 
+    def requests_of_rows(self, rows: list[int]) -> list[int]:
+        """The request holding each row: the last one starting at or before it (requests with no rows share
+        their start with the next)."""
+        starts = self.extend_start_loc_cpu
+        return [bisect.bisect_right(starts, row) - 1 for row in rows]
+
     def select_rows(self, rows: torch.Tensor | list[int]) -> ForwardBatch:
         """The batch restricted to query rows `rows` (ascending; each request's chosen rows contiguous).
 
@@ -111,9 +117,7 @@ class ForwardBatch:
         starts = self.extend_start_loc_cpu
         counts = [0] * self.batch_size
         firsts: list[int | None] = [None] * self.batch_size
-        for row in chosen:
-            # the last request starting at or before `row` holds it (requests with 0 rows share their start)
-            req = bisect.bisect_right(starts, row) - 1
+        for row, req in zip(chosen, self.requests_of_rows(chosen), strict=True):
             if firsts[req] is None:
                 firsts[req] = row
             elif firsts[req] + counts[req] != row:

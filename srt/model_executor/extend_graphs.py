@@ -24,8 +24,6 @@ vocabulary): read a step's outputs before the next forward, as with the decode g
 
 from __future__ import annotations
 
-import bisect
-
 import torch
 
 from srt.forward.forward_batch import ForwardBatch, ForwardMode
@@ -176,12 +174,8 @@ def padded_host_lists(batch: ForwardBatch | None, tokens: int, rows: int, paddin
         "extend_prefix_lens": [*own["extend_prefix_lens"], 0] + [1] * empty,
         "extend_seq_lens": [*own["extend_seq_lens"], tokens - real_tokens] + [0] * empty,
     }
-    # each logits row's request: the last request starting at or before it
-    starts, start = [], 0
-    for n in own["extend_seq_lens"]:
-        starts.append(start)
-        start += n
-    requests = [bisect.bisect_right(starts, row) - 1 for row in logits_rows]
+    requests = batch.requests_of_rows(logits_rows) if batch is not None else []
+    starts = batch.extend_start_loc_cpu if batch is not None else []
     padding = rows - len(logits_rows)
     host["logits_rows"] = [*logits_rows] + [0] * padding
     host["logits_req_pool_indices"] = [own["req_pool_indices"][i] for i in requests] + [padding_row] * padding
