@@ -56,10 +56,9 @@ def make_checkpoint(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     if presets.is_assistant_preset(preset):
-        return make_assistant_checkpoint(preset, out, seed, dtype)
+        return make_assistant_checkpoint(preset, out, seed, dtype, max_shard_size)
     config = presets.preset_text_config(preset)
-    if config.vocab_size != presets.TINY_VOCAB_SIZE:
-        raise ValueError(f"{preset!r} is not a tiny preset; make_checkpoint only builds the tiny- presets")
+    _require_tiny(preset, config.vocab_size)
     ids = tokenizer_builder.special_token_ids(config.vocab_size)
     config.pad_token_id, config.bos_token_id = ids[tokenizer_builder.PAD], ids[tokenizer_builder.BOS]
     end_of_text, end_of_turn = ids[tokenizer_builder.EOS], ids[tokenizer_builder.END_OF_TURN]
@@ -68,17 +67,7 @@ def make_checkpoint(
     config.eos_token_id = [end_of_text, end_of_turn]
 
     torch.manual_seed(seed)
-    model = Gemma4ForCausalLM(config).eval()
-    randomize_weights(model, seed)
-    model.to(DTYPES[dtype])
-
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    # Weights of an earlier build (say, sharded) would contradict these: save_pretrained keeps a stale index.
-    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
-        stale.unlink(missing_ok=True)
-    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    model.save_pretrained(out, **save_kwargs)
+    out = _save_random(Gemma4ForCausalLM(config), out, seed, dtype, max_shard_size)
     GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=[end_of_text, end_of_turn, ids[tokenizer_builder.TOOL_RESPONSE]],
@@ -90,18 +79,32 @@ def make_checkpoint(
     return out
 
 
-def make_assistant_checkpoint(preset: str, out: str | Path, seed: int = 0, dtype: str = "float32") -> Path:
+def make_assistant_checkpoint(
+    preset: str, out: str | Path, seed: int = 0, dtype: str = "float32", max_shard_size: str | None = None
+) -> Path:
     """Build the tiny MTP assistant checkpoint of `preset` (config.json and weights) in directory `out`."""
     config = presets.assistant_config(preset)
-    if config.text_config.vocab_size != presets.TINY_VOCAB_SIZE:
-        raise ValueError(f"{preset!r} is not a tiny preset; make_checkpoint only builds the tiny- presets")
+    _require_tiny(preset, config.text_config.vocab_size)
     torch.manual_seed(seed)
-    model = Gemma4AssistantForCausalLM(config).eval()
+    return _save_random(Gemma4AssistantForCausalLM(config), out, seed, dtype, max_shard_size)
+
+
+def _require_tiny(preset: str, vocab_size: int) -> None:
+    if vocab_size != presets.TINY_VOCAB_SIZE:
+        raise ValueError(f"{preset!r} is not a tiny preset; make_checkpoint only builds the tiny- presets")
+
+
+def _save_random(model: nn.Module, out: str | Path, seed: int, dtype: str, max_shard_size: str | None) -> Path:
+    """Draw `model`'s weights (`randomize_weights`), cast them to `dtype` and save them and its config in `out`."""
+    model.eval()
     randomize_weights(model, seed)
     model.to(DTYPES[dtype])
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    # Weights of an earlier build (say, sharded) would contradict these: save_pretrained keeps a stale index.
+    for stale in [*out.glob("model*.safetensors"), out / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
+    model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return out
 
 
