@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from torch_threads import one_torch_thread
 
 
 def _index_scalars_with_item() -> None:
@@ -44,6 +45,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One torch thread for a whole module (`pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="session")

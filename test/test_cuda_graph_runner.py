@@ -25,12 +25,7 @@ from srt.server_args import ServerArgs
 FP32_REL_TOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run faster on one thread
 
 
 def build_runner(path, padded_steps: bool, **overrides) -> ModelRunner:

@@ -12,8 +12,8 @@ import json
 import httpx
 import openai
 import pytest
-import torch
 from serving_fixtures import PRESET, greedy_reference, reference_scheduler, start_server
+from torch_threads import one_torch_thread
 from transformers import AutoTokenizer
 
 NEW_TOKENS = 12
@@ -47,12 +47,8 @@ def tokenizer(model):
 @pytest.fixture(scope="module")
 def reference_ids(model, tokenizer):
     """Greedy output ids of PROMPT run alone in this process (one torch thread, as the server's)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         return greedy_reference(reference_scheduler(model), [tokenizer.encode(PROMPT)], NEW_TOKENS)[0]
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

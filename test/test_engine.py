@@ -7,7 +7,6 @@ import os
 import shutil
 
 import pytest
-import torch
 from serving_fixtures import (
     CHILD_ENV,
     MODEL_ARGS,
@@ -18,6 +17,7 @@ from serving_fixtures import (
     is_resource_tracker,
     reference_scheduler,
 )
+from torch_threads import one_torch_thread
 from transformers import AutoTokenizer
 
 from srt import Engine
@@ -59,11 +59,9 @@ def engine(model, child_env):
 
 @pytest.fixture(scope="module")
 def expected(model):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the engine's scheduler: the same float summation order
     tokenizer = AutoTokenizer.from_pretrained(model)
-    ids = greedy_reference(reference_scheduler(model), [tokenizer.encode(p) for p in PROMPTS], NEW_TOKENS)
-    torch.set_num_threads(threads)
+    with one_torch_thread():  # as the engine's scheduler: the same float summation order
+        ids = greedy_reference(reference_scheduler(model), [tokenizer.encode(p) for p in PROMPTS], NEW_TOKENS)
     return [(out, tokenizer.decode(out, skip_special_tokens=True)) for out in ids]
 
 

@@ -21,6 +21,8 @@ from srt.model_executor.extend_graphs import default_token_counts
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run faster on one thread
+
 VARIANTS = ["tiny-gemma-4-E2B-it", "tiny-gemma-4-E4B-it", "tiny-gemma-4-26B-A4B-it", "tiny-gemma-4-31B-it"]
 
 

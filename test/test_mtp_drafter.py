@@ -28,13 +28,7 @@ NUM_STEPS = 4
 PROMPT_LENS = [5, 23, 40]  # tiny sliding window: 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine OpenMP spin-waits make them 100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run faster on one thread
 
 
 def prompts(vocab_size: int) -> list[list[int]]:

@@ -14,7 +14,6 @@ import time
 import httpx
 import openai
 import pytest
-import torch
 from serving_fixtures import (
     PRESET,
     alive,
@@ -24,6 +23,7 @@ from serving_fixtures import (
     reference_scheduler,
     start_server,
 )
+from torch_threads import one_torch_thread
 from transformers import AutoTokenizer
 
 NEW_TOKENS = 8
@@ -52,10 +52,8 @@ def tokenizer(model):
 @pytest.fixture(scope="module")
 def reference(model):
     """In-process scheduler; one torch thread, as the server's, so float sums add up in the same order."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield reference_scheduler(model)
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield reference_scheduler(model)
 
 
 @pytest.fixture(scope="module")

@@ -26,13 +26,7 @@ VARIANTS = ["tiny-gemma-4-E2B-it", "tiny-gemma-4-E4B-it"]
 FP32_REL_TOL = 1e-4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls gain nothing from threads, and on a busy 2-core machine OpenMP spin-waits make them 100x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run faster on one thread
 
 
 def build_runner(path, monkeypatch: pytest.MonkeyPatch, yoco: bool) -> ModelRunner:
