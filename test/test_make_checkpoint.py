@@ -218,3 +218,16 @@ def test_randomize_weights_refuses_a_parameter_or_saved_buffer_it_does_not_know(
     model.lm_head.extra = nn.Parameter(torch.zeros(2))
     with pytest.raises(RuntimeError, match="does not know how to initialise: lm_head.extra$"):
         randomize_weights(model, 0)
+
+
+def test_sharded_assistant_checkpoint_loads_same_weights(tiny_checkpoint, tmp_path):
+    """An MTP assistant preset goes through the same save: sharded on request, stale shards of a whole-file
+    build before it removed."""
+    preset = "tiny-gemma-4-E4B-it-assistant"
+    make_checkpoint(preset, tmp_path)  # a whole-file build first: its model.safetensors must not survive
+    path = make_checkpoint(preset, tmp_path, max_shard_size="50KB")
+    assert (path / "model.safetensors.index.json").is_file() and not (path / "model.safetensors").exists()
+    assert len(list(path.glob("model-*-of-*.safetensors"))) > 1
+    model = AutoModelForCausalLM.from_pretrained(path)
+    state = model.state_dict()
+    assert all(torch.equal(state[name], tensor) for name, tensor in _weights(tiny_checkpoint(preset)).items())
