@@ -36,8 +36,9 @@ def prompts(vocab_size: int) -> list[list[int]]:
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENS]
 
 
-def transformers_drafts(target_dir, assistant_dir, prompt: list[int]) -> list[int]:
-    """The oracle: the target's forward over the prompt, then the candidate generator's drafts after it."""
+def transformers_drafts(target_dir, assistant_dir, prompt: list[int], next_token: int) -> list[int]:
+    """The oracle: the target's forward over the prompt, then the candidate generator's drafts after the prompt
+    and the token the target chose next (no KV yet), as between two rounds of assisted generation."""
     target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     assistant = transformers.AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=torch.float32).eval()
     assert type(assistant).__name__ == "Gemma4AssistantForCausalLM"
@@ -54,11 +55,12 @@ def transformers_drafts(target_dir, assistant_dir, prompt: list[int]) -> list[in
         eos_token_id=torch.tensor([-1]),  # never stop
     )
     generator.num_assistant_tokens = NUM_STEPS
-    # the last prompt token is the last accepted one: its hidden state is row len - 1 of the target's forward
+    # the newest token was sampled from row len - 1, the last row with KV
+    ids = torch.tensor([[*prompt, next_token]])
     candidates, _ = generator.get_candidates(
         ids, {"attention_mask": torch.ones_like(ids)}, outputs, False, len(prompt) - 1
     )
-    return candidates[0, len(prompt) :].tolist()
+    return candidates[0, len(prompt) + 1 :].tolist()
 
 
 # the reference backend for every variant; the Triton kernels (interpreted on CPU) for one
@@ -97,16 +99,20 @@ def test_drafts_equal_transformers_for_a_batch(variant, backend, tiny_checkpoint
         runner.req_to_token_pool,
         runner.kv_pool,
     )
-    hidden = runner.forward(prefill).hidden_states.clone()
+    output = runner.forward(prefill)
+    hidden, next_tokens = output.hidden_states.clone(), output.logits.argmax(dim=-1)
     kv_before = [t.clone() for t in (*runner.kv_pool._k.values(), *runner.kv_pool._v.values())]
 
-    requests = DraftRequests(torch.tensor([p[-1] for p in batch_prompts]), hidden, list(PROMPT_LENS), rows)
+    requests = DraftRequests(next_tokens, hidden, list(PROMPT_LENS), rows)
     drafts = runner.drafter.draft(requests, runner.req_to_token_pool, runner.kv_pool, runner.attn_backend)
 
     assert drafts.shape == (len(rows), NUM_STEPS)
     kv_after = [*runner.kv_pool._k.values(), *runner.kv_pool._v.values()]
     assert all(torch.equal(a, b) for a, b in zip(kv_before, kv_after, strict=True)), "drafting wrote KV"
-    expected = [transformers_drafts(target_dir, assistant_dir, prompt) for prompt in batch_prompts]
+    expected = [
+        transformers_drafts(target_dir, assistant_dir, prompt, token)
+        for prompt, token in zip(batch_prompts, next_tokens.tolist(), strict=True)
+    ]
     assert drafts.tolist() == expected
     runner.token_allocator.free(slots)
     for row in rows:

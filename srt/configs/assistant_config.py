@@ -5,9 +5,11 @@ KV-owning layer of its own type (sliding or full). srt gives the assistant's lay
 (target layers 0 .. N-1, assistant layers N .. N+L-1), so `HybridKVPool` built over both lists resolves an
 assistant layer to its target owner exactly as it resolves the target's own KV-shared layers.
 
-Its sliding layers see window + 1 tokens back from the frozen position, itself included (transformers'
-assistant mask), one more than the target's: `swa_window` keeps W - 1 tokens for the next target query, so
-a scheduler that drafts must keep two more.
+The assistant's query sits at the position of the newest token p, which has no KV yet, and reads KV 0 .. p-1.
+Its sliding layers see the last window + 1 of those (transformers' assistant mask: a bidirectional window,
+flipped), p-W-1 .. p-1; srt's backends bound a window by position (kv > q - window), so that is a window of
+W + 2. The target's next query at p reads p-W+1 .. p: a scheduler that drafts keeps two more positions of
+sliding-window KV (`DRAFT_EXTRA_SWA_TOKENS`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from srt.configs import presets
 from srt.configs.model_config import FULL, SLIDING, AttentionLayerSpec, ModelConfig
 
 ASSISTANT_MODEL_TYPE = "gemma4_assistant"
+# sliding-window KV positions the drafter reads beyond the target's next query (module docstring)
+DRAFT_EXTRA_SWA_TOKENS = 2
 
 
 @dataclass(frozen=True)
@@ -86,9 +90,8 @@ class AssistantConfig:
                     num_kv_heads=owner.num_kv_heads,
                     k_eq_v=owner.k_eq_v,
                     kv_owner=owner.layer_id,
-                    # transformers' assistant mask (bidirectional window, flipped) lets the frozen query see
-                    # window + 1 tokens, itself included: one more than the target's own sliding layers
-                    sliding_window=None if window is None else window + 1,
+                    # the last window + 1 KV positions before the query at p (module docstring)
+                    sliding_window=None if window is None else window + DRAFT_EXTRA_SWA_TOKENS,
                 )
             )
         if problems:

@@ -1,13 +1,14 @@
 """Frozen-KV MTP drafting: K greedy assistant steps for every request of a batch at once.
 
-The assistant runs at each request's last accepted position and attends over the target's KV up to it; it
-writes no KV, so every step of a round sees the same KV and the same positions ("frozen"). The attention
-metadata is therefore built once per round and the K steps run without reading anything back to the host:
+A round starts where the target left a request: its newest token t0 at position p = kv_len, sampled from the
+target's row at p - 1 and without KV yet. The assistant runs at position p and attends over the target's KV
+0 .. p-1; it writes no KV, so every step of a round sees the same KV and the same position ("frozen"). The
+attention metadata is therefore built once per round and the K steps run without reading anything back:
 
-    round input   last accepted token t0, target's final-norm hidden state h0 at t0, seq_len (t0 included)
+    round input   newest token t0, the target's final-norm hidden state h0 of the row that sampled it, kv_len
     step 1        assistant(embed_target(t0), h0) -> d1, h1
-    step k        assistant(embed_target(d_{k-1}), h_{k-1}) -> d_k, h_k          (position stays seq_len - 1)
-    output        [d1 .. dK]
+    step k        assistant(embed_target(d_{k-1}), h_{k-1}) -> d_k, h_k          (position stays p)
+    output        [d1 .. dK]: guesses of the tokens at p + 1 .. p + K
 
 Verification, acceptance and KV rollback are the scheduler's (later parts of issue #23).
 """
@@ -31,9 +32,9 @@ MIN_DRAFT_STEPS, MAX_DRAFT_STEPS = 1, 16
 class DraftRequests(NamedTuple):
     """The state a round drafts from, one entry per request."""
 
-    last_token_ids: torch.Tensor  # [batch] the last accepted token (its KV is in the pools), on the device
-    backbone_hidden: torch.Tensor  # [batch, target hidden] the target's final-norm hidden state at that token
-    seq_lens: list[int]  # tokens with KV, the last accepted one included
+    last_token_ids: torch.Tensor  # [batch] the newest token (no KV yet), on the device
+    backbone_hidden: torch.Tensor  # [batch, target hidden] the target's final-norm hidden state that sampled it
+    kv_lens: list[int]  # tokens with KV: the newest token's position
     req_pool_indices: list[int]  # req_to_token rows
 
 
@@ -58,21 +59,23 @@ class FrozenKVDrafter:
         backend: AttentionBackend,
     ) -> torch.Tensor:
         """[batch, num_steps] draft token ids; reads the target's KV through `kv_pool`, writes none."""
-        batch_size = len(requests.seq_lens)
-        if min(requests.seq_lens, default=1) < 1:
-            raise ValueError(f"every request needs its last accepted token in KV; seq_lens {requests.seq_lens}")
+        batch_size = len(requests.kv_lens)
+        if min(requests.kv_lens, default=1) < 1:
+            raise ValueError(f"every request needs KV to draft from; kv_lens {requests.kv_lens}")
         device = kv_pool.device
-        # one row per request at its last accepted position; slot 0 (padding) as the never-written KV slot
+        # one row per request reading KV 0 .. kv_len-1: laid out as a decode row at kv_len - 1 (whose KV is
+        # there), then moved to its own position; slot 0 (padding) as the never-written KV slot
         batch = ForwardBatch.build(
             mode=ForwardMode.DECODE,
             new_token_ids=requests.last_token_ids,
-            prefix_lens=[seq_len - 1 for seq_len in requests.seq_lens],
+            prefix_lens=[kv_len - 1 for kv_len in requests.kv_lens],
             req_pool_indices=requests.req_pool_indices,
             out_cache_loc=torch.zeros(batch_size, dtype=torch.int64, device=device),
             logits_rows=list(range(batch_size)),
             req_to_token_pool=req_to_token_pool,
             kv_pool=kv_pool,
         )
+        batch.positions += 1
         backend.init_forward_metadata(batch)  # once: positions and KV lengths are frozen for the round
         token_ids, hidden = batch.input_ids, requests.backbone_hidden
         drafts = []
