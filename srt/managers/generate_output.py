@@ -1,7 +1,9 @@
 """The result dicts of `/generate` and `Engine.generate`, built up from a request's step outputs.
 
     {"text": str, "output_ids": [int], "meta_info": {"id", "prompt_tokens", "completion_tokens",
-     "cached_tokens", "finish_reason": {"type": "stop"|"length"|"abort", "matched"?} | None, "e2e_latency",
+     "cached_tokens", "spec_verify_ct" and "spec_accepted_tokens" (speculative decoding: verify rounds and
+     accepted drafts; 0 without it), "finish_reason": {"type": "stop"|"length"|"abort", "matched"?} | None,
+     "e2e_latency",
      and with return_logprob: "input_token_logprobs", "output_token_logprobs" ([logprob, token_id, text]),
      and with top_logprobs_num: "input_top_logprobs", "output_top_logprobs" (a list of those per position)}}
 
@@ -94,6 +96,8 @@ class ResultBuilder:
             "prompt_tokens": o.prompt_tokens,
             "completion_tokens": o.completion_tokens,
             "cached_tokens": o.cached_tokens,
+            "spec_verify_ct": o.spec_verify_ct,
+            "spec_accepted_tokens": o.spec_accepted_tokens,
             "finish_reason": o.finished_reason.to_json() if o.finished_reason else None,
             "e2e_latency": time.monotonic() - self.created,
         }

@@ -19,6 +19,8 @@ class GenerationResult:
     cached_tokens: int = 0
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     input_logprobs: list[TokenLogprob] = field(default_factory=list)
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
     def add(self, output: ReqOutput) -> None:
         self.output_ids.extend(output.new_token_ids)
@@ -27,6 +29,8 @@ class GenerationResult:
         self.finished_reason = output.finished_reason
         self.prompt_tokens = output.prompt_tokens
         self.cached_tokens = output.cached_tokens
+        self.spec_verify_ct = output.spec_verify_ct
+        self.spec_accepted_tokens = output.spec_accepted_tokens
 
 
 def run_to_completion(scheduler: Scheduler, requests: list[TokenizedGenerateReq]) -> dict[str, GenerationResult]:

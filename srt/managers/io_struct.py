@@ -80,6 +80,8 @@ class ReqOutput:
     cached_tokens: int
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     input_logprobs: list[TokenLogprob] = field(default_factory=list)
+    spec_verify_ct: int = 0  # speculative decoding: verify rounds so far
+    spec_accepted_tokens: int = 0  # drafts accepted so far
 
     @property
     def finished(self) -> bool:
@@ -180,6 +182,7 @@ class SchedulerStats:
     pools: dict[str, PoolStats]
     num_retractions: int
     generated_tokens_total: int  # every token the scheduler sampled, including ones cut by a stop string
+    spec_accept_counts: list[int] = field(default_factory=list)  # verify rounds by accepted drafts (MTP)
 
 
 @dataclass

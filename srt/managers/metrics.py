@@ -6,7 +6,10 @@ state (running / waiting requests, KV pools) is fetched when `/metrics` is scrap
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from srt.managers.io_struct import SchedulerStats
 
@@ -14,9 +17,39 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
+class AcceptLengths:
+    """Speculative decoding's tokens per verify round (accepted drafts + the target's own): a histogram with one
+    bucket per length and its mean, from the scheduler's counts of rounds by accepted drafts."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.rounds_by_accepted: list[int] = []  # as of the last scrape; empty without speculative decoding
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self.rounds_by_accepted
+        if not counts:
+            return
+        total = sum(counts)
+        tokens = sum((accepted + 1) * rounds for accepted, rounds in enumerate(counts))
+        cumulative = [sum(counts[: accepted + 1]) for accepted in range(len(counts))]
+        buckets = [(str(accepted + 1), c) for accepted, c in enumerate(cumulative)] + [("+Inf", total)]
+        histogram = HistogramMetricFamily(
+            "srt_spec_accept_length", "Tokens per speculative verify round.", labels=["model_name"]
+        )
+        histogram.add_metric([self.model_name], buckets, tokens)
+        yield histogram
+        mean = GaugeMetricFamily(
+            "srt_spec_accept_length_mean", "Mean tokens per speculative verify round.", labels=["model_name"]
+        )
+        mean.add_metric([self.model_name], tokens / total if total else 0.0)
+        yield mean
+
+
 class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
+        self.accept_lengths = AcceptLengths(model_name)
+        self.registry.register(self.accept_lengths)
         labels = ["model_name"]
         r = self.registry
         self.prompt_tokens = Counter("srt_prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r)
@@ -79,6 +112,7 @@ class ServerMetrics:
         if stats is not None:
             self.running.labels(name).set(stats.num_running)
             self.waiting.labels(name).set(stats.num_waiting)
+            self.accept_lengths.rounds_by_accepted = list(stats.spec_accept_counts)
             for pool, p in stats.pools.items():
                 self.kv_usage.labels(name, pool).set((p.total - p.free) / p.total if p.total else 0.0)
                 for state in ("total", "free", "cached", "in_use"):

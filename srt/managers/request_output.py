@@ -112,6 +112,8 @@ def collect_output(req: Req) -> ReqOutput:
         cached_tokens=req.cached_tokens,
         output_logprobs=req.output_logprobs[req.emitted_output_logprobs :],
         input_logprobs=req.input_logprobs[req.emitted_input_logprobs :],
+        spec_verify_ct=req.spec_verify_ct,
+        spec_accepted_tokens=req.spec_accepted_tokens,
     )
     req.emitted_tokens = len(req.output_ids)
     req.emitted_output_logprobs = len(req.output_logprobs)

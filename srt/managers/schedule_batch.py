@@ -42,6 +42,11 @@ class Req:
     emitted_tokens: int = 0  # output tokens already reported
     emitted_output_logprobs: int = 0
     emitted_input_logprobs: int = 0
+    # speculative decoding: the target's hidden state that sampled the newest token (the next round drafts from
+    # it, on the device), and the request's verify rounds and accepted drafts so far
+    draft_hidden: torch.Tensor | None = None
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
     @classmethod
     def from_request(cls, request: TokenizedGenerateReq, device: torch.device) -> Req:
@@ -94,6 +99,7 @@ class ScheduledReq:
     sample: bool  # this forward completes its tokens: sample the next one from its last row
     prompt_logprob_rows: range = range(0)  # positions whose logits score the next prompt token
     decode: bool = False  # a decoding request's one token (its window is freed, nothing goes to the cache)
+    num_drafts: int = 0  # a verify item: the newest token, then this many drafts; every row is a logits row
 
 
 @dataclass
@@ -107,18 +113,19 @@ class ScheduleBatch:
         self, out_cache_loc: torch.Tensor, req_to_token_pool, kv_pool, input_ids: torch.Tensor | None = None
     ) -> ForwardBatch:
         """Lay out the ForwardBatch; `logits_rows` lists, per request in order, prompt-logprob rows then its
-        sampling row. `input_ids`: a decode batch's new tokens on the device, when the host has not read them
-        yet (the overlap schedule)."""
+        sampling row (a verify item: all its rows). `input_ids`: a decode batch's new tokens on the device, when
+        the host has not read them yet (the overlap schedule). Drafts are 0 here: `fill_drafts` puts them in."""
         new_tokens, prefix_lens, rows, logits_rows = [], [], [], []
         start = 0
         for item in self.items:
             req = item.req
-            new_tokens.append(req.tokens(req.kv_len, req.kv_len + item.num_tokens))
+            known = item.num_tokens - item.num_drafts
+            new_tokens.append(req.tokens(req.kv_len, req.kv_len + known) + [0] * item.num_drafts)
             prefix_lens.append(req.kv_len)
             rows.append(req.req_pool_idx)
             logits_rows.extend(start + pos - req.kv_len for pos in item.prompt_logprob_rows)
             if item.sample:
-                logits_rows.append(start + item.num_tokens - 1)
+                logits_rows.extend(range(start + known - 1, start + item.num_tokens))
             start += item.num_tokens
         return ForwardBatch.build(
             mode=self.mode,
@@ -130,3 +137,20 @@ class ScheduleBatch:
             req_to_token_pool=req_to_token_pool,
             kv_pool=kv_pool,
         )
+
+
+def fill_drafts(forward_batch: ForwardBatch, items: list[ScheduledReq], drafts: torch.Tensor) -> None:
+    """Write the verify items' drafts (`drafts` [verify items, K] on the device, in item order) into the batch's
+    input ids after each item's newest token."""
+    token_index, draft_index = [], []
+    start, verify = 0, 0
+    for item in items:
+        if item.num_drafts:
+            first = start + item.num_tokens - item.num_drafts
+            token_index.extend(range(first, first + item.num_drafts))
+            draft_index.extend(range(verify * drafts.shape[1], verify * drafts.shape[1] + item.num_drafts))
+            verify += 1
+        start += item.num_tokens
+    device = forward_batch.input_ids.device
+    tokens = torch.tensor(token_index, dtype=torch.int64, device=device)
+    forward_batch.input_ids[tokens] = drafts.reshape(-1)[torch.tensor(draft_index, device=device)]

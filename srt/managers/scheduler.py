@@ -18,6 +18,11 @@ A request that finished at step n has run in step n + 1 too: that token is dropp
 run in stream order, so KV freed on the host while a step still runs is only reused by later steps.
 Anything else (a new request, an abort, a short pool) first finishes the step in flight. Penalties do not:
 the sampler records each step's tokens on the device (`sampling/batch_sampler.py`).
+
+Speculative decoding (FROZEN_KV_MTP). A decoding request that speculates runs as a verify item: the assistant
+drafts k tokens for it before the step, and the step computes its newest token and the drafts (k + 1 rows,
+mixed with prompt chunks like any decode row); the host then appends the accepted tokens and gives back the
+KV of the rejected rows (`verify_round.py`). Verify steps are not overlapped: the next round needs the count.
 """
 
 from __future__ import annotations
@@ -39,15 +44,17 @@ from srt.managers.request_output import (
     request_sampling,
     sample_tokens,
 )
-from srt.managers.schedule_batch import Req, ScheduleBatch, ScheduledReq
+from srt.managers.schedule_batch import Req, ScheduleBatch, ScheduledReq, fill_drafts
 from srt.managers.schedule_policy import PrefillBudget, order_waiting
+from srt.managers.verify_round import VerifyRound, num_drafts_for, simulated_accept_len
 from srt.mem_cache.base_prefix_cache import PrefixCache
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.swa_radix_cache import SWARadixCache
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.batch_sampler import BatchSampler
-from srt.sampling.sampler import make_generator
+from srt.sampling.sampler import SamplingBatch, make_generator
 from srt.server_args import ServerArgs
+from srt.speculative.frozen_kv_mtp import DraftRequests
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +66,7 @@ class _Launched:
     batch: ScheduleBatch
     sampled_reqs: list[Req]
     sampled: SampledTokens | None
+    verify: VerifyRound | None = None
 
 
 class Scheduler:
@@ -69,12 +77,23 @@ class Scheduler:
         self.runner = runner or ModelRunner(server_args)
         self.allocator = self.runner.token_allocator
         self.req_to_token_pool = self.runner.req_to_token_pool
-        self.sliding_window = self.runner.model_config.sliding_window
+        self.drafter = self.runner.drafter
+        # the sliding-window KV each request keeps: the target's window, and what the drafter reads beyond it
+        self.sliding_window = self.runner.model_config.sliding_window + (
+            self.drafter.extra_swa_tokens if self.drafter else 0
+        )
         self.cache: PrefixCache = (
             ChunkCache(self.allocator)
             if server_args.disable_radix_cache
             else SWARadixCache(self.allocator, self.sliding_window)
         )
+        self.accept_len = simulated_accept_len() if self.drafter else None
+        if self.accept_len is not None and server_args.load_format != "dummy":
+            raise ValueError("SRT_SIMULATE_ACCEPT_LEN changes outputs: it is for benchmarks with --load-format dummy")
+        # verify rounds by accepted drafts (0 .. K), for /metrics and the status log
+        self.accept_counts = [0] * (self.drafter.num_steps + 1 if self.drafter else 1)
+        self._verify_sampling: tuple[list[Req], SamplingBatch] | None = None
+        self._draft_tokens = 0  # drafts of the decode items of the step being scheduled
         self.eos_ids = set(self.runner.eos_token_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -156,11 +175,13 @@ class Scheduler:
     def _schedule_prefill(self) -> ScheduleBatch | None:
         """Prompt chunks under the budgets and, mixed in first, one token of every decoding request."""
         decoding = [] if self.args.disable_mixed_batches else [req for req in self.running if req.to_compute == 1]
+        decode_items = [self._decode_item(req) for req in decoding]
+        self._draft_tokens = sum(item.num_drafts for item in decode_items)
         chunk = self.args.chunked_prefill_size or self.runner.context_len
         budget = PrefillBudget(
             # one chunk's worth of prompt tokens per step: two 8k prompts in one step would hold back the first
             # one's first token, and every decoding request's next one, by the second's whole prefill
-            tokens=min(self.args.max_prefill_tokens - len(decoding), chunk),
+            tokens=min(self.args.max_prefill_tokens - len(decoding) - self._draft_tokens, chunk),
             chunk=chunk,
             requests=self.args.max_running_requests - len(self.running),
         )
@@ -168,7 +189,7 @@ class Scheduler:
         chunked = [req for req in self.running if req.to_compute > 1]  # at most one: a prefill in progress
         for req in chunked:
             num = budget.fit(req.to_compute)
-            if num == 0 or not self._make_room(num + len(self.running)):
+            if num == 0 or not self._make_room(num + len(self.running) + self._draft_tokens):
                 return None
             items.append(self._scheduled(req, num))
             budget.tokens -= num
@@ -177,8 +198,7 @@ class Scheduler:
                 break
         if not items:
             return None
-        # admission reserved a token for every running request, the decoding ones among them
-        decode_items = [ScheduledReq(req, 1, True, decode=True) for req in decoding]
+        # admission reserved a token for every running request, the decoding ones among them, and their drafts
         return ScheduleBatch(ForwardMode.EXTEND, decode_items + items)
 
     def _admit(self, req: Req, budget: PrefillBudget, items: list[ScheduledReq], chunked: list[Req]) -> bool:
@@ -194,7 +214,7 @@ class Scheduler:
         self.cache.lock(match.node)  # before evicting, so room is not made out of this very prefix
         # room for this chunk, the chunks already in the batch, and one decode token per running request
         reserved = sum(item.num_tokens for item in items)
-        if not self._make_room(reserved + num + len(self.running) + 1):
+        if not self._make_room(reserved + num + len(self.running) + self._draft_tokens + 1):
             self.cache.unlock(match.node)
             return False
         req.req_pool_idx = self.req_to_token_pool.alloc()
@@ -217,6 +237,13 @@ class Scheduler:
         sample = completes and len(req.output_ids) < req.params.sampling_params.max_new_tokens
         return ScheduledReq(req, num, sample, rows)
 
+    def _decode_item(self, req: Req) -> ScheduledReq:
+        """A decoding request's share of a step: its newest token, and drafts to verify when it speculates."""
+        drafts = 0
+        if self.drafter is not None and req.draft_hidden is not None:
+            drafts = num_drafts_for(req, self.drafter.num_steps, self.runner.context_len)
+        return ScheduledReq(req, 1 + drafts, True, decode=True, num_drafts=drafts)
+
     def _continued_decode(self, previous: _Launched) -> ScheduleBatch | None:
         """The decode step after `previous`, launched before its tokens are read; None when anything changed."""
         reqs = previous.sampled_reqs
@@ -224,27 +251,34 @@ class Scheduler:
             return None
         if len(reqs) != len(self.running) or any(a is not b for a, b in zip(reqs, self.running, strict=True)):
             return None  # a request was aborted
-        if not self._make_room(len(reqs)):
-            return None  # retraction decides with every token read
-        return ScheduleBatch(ForwardMode.DECODE, [ScheduledReq(req, 1, True, decode=True) for req in reqs])
+        items = [self._decode_item(req) for req in reqs]
+        if any(item.num_drafts for item in items) or not self._make_room(len(reqs)):
+            return None  # a verify step needs the tokens read; retraction decides with every token read
+        return ScheduleBatch(ForwardMode.DECODE, items)
 
     def _schedule_decode(self) -> ScheduleBatch | None:
-        decoding = [req for req in self.running if req.to_compute == 1]
+        items = [self._decode_item(req) for req in self.running if req.to_compute == 1]
         # fewest output tokens first (they lose the least work), latest admitted first among equals
-        while decoding and not self._make_room(len(decoding)):
-            victim = min(reversed(decoding), key=lambda req: len(req.output_ids))
-            decoding.remove(victim)
-            self._retract(victim)
-        if not decoding:
+        while items and not self._make_room(sum(item.num_tokens for item in items)):
+            victim = min(reversed(items), key=lambda item: len(item.req.output_ids))
+            items.remove(victim)
+            self._retract(victim.req)
+        if not items:
             return None
-        return ScheduleBatch(ForwardMode.DECODE, [ScheduledReq(req, 1, True, decode=True) for req in decoding])
+        # several rows per request (a verify step) take the extend layout
+        mode = ForwardMode.EXTEND if any(item.num_drafts for item in items) else ForwardMode.DECODE
+        return ScheduleBatch(mode, items)
 
     # ---- run and update ----------------------------------------------------------------------------------
     def _launch(self, batch: ScheduleBatch, input_ids: torch.Tensor | None = None) -> _Launched:
         """Queue the forward and the sampling of `batch`; `input_ids` (device): a continued decode's tokens."""
+        verify_items = [item for item in batch.items if item.num_drafts]
+        drafts = self._draft([item.req for item in verify_items]) if verify_items else None
         slots = self.allocator.alloc(sum(item.num_tokens for item in batch.items))
         pools = (self.req_to_token_pool, self.runner.kv_pool)
         forward_batch = batch.to_forward_batch(slots, *pools, input_ids)
+        if drafts is not None:
+            fill_drafts(forward_batch, batch.items, drafts)
         if batch.mode == ForwardMode.DECODE:  # one new token per request, at its row and position
             self.req_to_token_pool.write_one_each(forward_batch.req_pool_indices, forward_batch.positions, slots)
         else:
@@ -257,13 +291,16 @@ class Scheduler:
         logits = output.logits
 
         row = 0
-        sampled_items, sample_rows = [], []
+        sampled_items, sample_rows, verify_rows = [], [], []
         for item in batch.items:
             num_logprob_rows = len(item.prompt_logprob_rows)
             if item.req.wants_prompt_logprobs:
                 record_prompt_logprobs(item, logits[row : row + num_logprob_rows])
                 row += num_logprob_rows
-            if item.sample:
+            if item.sample and item.num_drafts:
+                verify_rows.append(row)
+                row += item.num_tokens
+            elif item.sample:
                 sampled_items.append(item)
                 sample_rows.append(row)
                 row += 1
@@ -271,18 +308,33 @@ class Scheduler:
             if item.req.kv_len >= len(item.req.prompt_ids):
                 item.req.prompt_logprobs_done = True
         sampled_reqs = [item.req for item in sampled_items]
+        verify = None
+        if verify_items:
+            verify_reqs = [item.req for item in verify_items]
+            verify = VerifyRound.launch(
+                verify_reqs, [item.num_drafts for item in verify_items], verify_rows, drafts, logits,
+                output.greedy_ids, output.hidden_states, self._verify_sampling_of(verify_reqs), self.accept_len,
+            )  # fmt: skip
+        if self.drafter is not None and sampled_reqs:
+            # the next round drafts from the hidden state that sampled each request's newest token
+            for req, hidden in zip(sampled_reqs, output.hidden_states[sample_rows], strict=True):
+                req.draft_hidden = hidden
         if not sampled_items:
-            return _Launched(batch, sampled_reqs, None)
+            return _Launched(batch, sampled_reqs, None, verify)
         greedy_ids = output.greedy_ids
         if sample_rows != list(range(len(logits))):  # decode samples every row: no [rows, vocab] copy then
             logits = logits[sample_rows]
             greedy_ids = None if greedy_ids is None else greedy_ids[sample_rows]
-        return _Launched(batch, sampled_reqs, self._sample(sampled_reqs, logits, greedy_ids))
+        return _Launched(batch, sampled_reqs, self._sample(sampled_reqs, logits, greedy_ids), verify)
 
     def _finish(self, launched: _Launched) -> list[ReqOutput]:
         """Read a launched batch's tokens; stop checks, releases and caching; what each request produced."""
         if launched.sampled is not None:
             append_samples(launched.sampled_reqs, launched.sampled)
+        if launched.verify is not None:
+            pools = (self.req_to_token_pool, self.allocator)
+            for num in launched.verify.apply(self.eos_ids, self.runner.context_len, *pools, self.sliding_window):
+                self.accept_counts[num] += 1
         outputs, out_of_window = [], []
         for item in launched.batch.items:
             req = item.req
@@ -321,6 +373,30 @@ class Scheduler:
             )
         self._sampler = (reqs, sampler)
         return sample_tokens(sampler, logits, greedy_ids)
+
+    def _draft(self, reqs: list[Req]) -> torch.Tensor:
+        """[reqs, K] drafts from each request's newest token and the hidden state that sampled it."""
+        device = self.runner.device
+        newest = torch.tensor([req.output_ids[-1] for req in reqs], dtype=torch.int64).to(device, non_blocking=True)
+        hidden = torch.stack([req.draft_hidden for req in reqs])
+        rows = [req.req_pool_idx for req in reqs]
+        return self.runner.draft(DraftRequests(newest, hidden, [req.kv_len for req in reqs], rows))
+
+    def _verify_sampling_of(self, reqs: list[Req]) -> SamplingBatch | None:
+        """The verify rows' sampling parameters (each request's repeated over its K + 1 rows); None when every
+        request is greedy. Kept while the same requests verify."""
+        if all(req.params.sampling_params.is_greedy for req in reqs):
+            return None
+        cached = self._verify_sampling
+        if cached is None or len(cached[0]) != len(reqs) or any(a is not b for a, b in zip(cached[0], reqs)):
+            rows = self.drafter.num_steps + 1
+            params = [req.params.sampling_params for req in reqs for _ in range(rows)]
+            sampling = SamplingBatch.build(
+                params, self.runner.model_config.vocab_size, self.runner.device,
+                default_generator=self.default_generator,
+            )  # fmt: skip
+            self._verify_sampling = cached = (reqs, sampling)
+        return cached[1]
 
     def _release(self, req: Req) -> None:
         request_kv.release(req, self.req_to_token_pool, self.cache)

@@ -156,6 +156,7 @@ class SchedulerLoop:
             pools=pool_stats(self.scheduler),
             num_retractions=self.scheduler.num_retractions,
             generated_tokens_total=self.generated_tokens_total,
+            spec_accept_counts=list(self.scheduler.accept_counts) if self.scheduler.drafter else [],
         )
 
     def _check_integrity(self) -> None:
@@ -182,6 +183,7 @@ class StatusLog:
         self.last_time = time.monotonic()
         self.last_tokens = 0
         self.active = False  # something happened since the last line
+        self.last_accept_counts: list[int] = []  # verify rounds by accepted drafts at the last line
 
     def maybe_log(self, scheduler: Scheduler, generated_tokens_total: int, busy: bool) -> None:
         self.active = self.active or busy
@@ -196,11 +198,21 @@ class StatusLog:
             )
             throughput = (generated_tokens_total - self.last_tokens) / (now - self.last_time)
             logger.info(
-                "running %d, waiting %d, KV %s, generation %.1f tok/s, retractions %d",
+                "running %d, waiting %d, KV %s, generation %.1f tok/s, retractions %d%s",
                 len(scheduler.running),
                 len(scheduler.waiting),
                 usage,
                 throughput,
                 scheduler.num_retractions,
+                self._accept_length(scheduler),
             )
         self.last_time, self.last_tokens, self.active = now, generated_tokens_total, busy
+
+    def _accept_length(self, scheduler: Scheduler) -> str:
+        """", accept length L" (tokens per verify round since the last line) under speculative decoding."""
+        counts = scheduler.accept_counts
+        last, self.last_accept_counts = self.last_accept_counts or [0] * len(counts), list(counts)
+        rounds = [now - before for now, before in zip(counts, last, strict=True)]
+        if not scheduler.drafter or not sum(rounds):
+            return ""
+        return f", accept length {sum((n + 1) * r for n, r in enumerate(rounds)) / sum(rounds):.2f}"

@@ -22,7 +22,7 @@ from srt.model_executor.extend_graphs import ExtendGraphs, default_token_counts
 from srt.model_loader.loader import load_model
 from srt.server_args import ServerArgs
 from srt.speculative.assistant_loader import load_assistant
-from srt.speculative.frozen_kv_mtp import FrozenKVDrafter
+from srt.speculative.frozen_kv_mtp import DraftRequests, FrozenKVDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +69,6 @@ class ModelRunner:
                 seed=server_args.seed,
             )
             self.drafter = FrozenKVDrafter(assistant, self.model, server_args.speculative_num_steps)
-            logger.warning(
-                "FROZEN_KV_MTP: the assistant is loaded and fits the target, but the scheduler does not verify "
-                "drafts yet (issue #23): decoding runs without speculation"
-            )
         self.context_len = server_args.context_length or self.model_config.context_len
         self.eos_token_ids = checkpoint_eos_token_ids(self.model_config, server_args.model_path)
         full_tokens, swa_tokens = self._pool_sizes()
@@ -138,6 +134,10 @@ class ModelRunner:
             text_model.shared_layer_graphs = SharedLayerGraphs(
                 text_model, self.attn_backend, *pools, batch_sizes, use_graphs, pool
             )
+
+    def draft(self, requests: DraftRequests) -> torch.Tensor:
+        """[batch, K] MTP draft tokens (FROZEN_KV_MTP); the drafter reads the target's KV, writes none."""
+        return self.drafter.draft(requests, self.req_to_token_pool, self.kv_pool, self.attn_backend)
 
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
         """Logits of `batch.logits_rows`; KV of the batch's new tokens is written to the pools.

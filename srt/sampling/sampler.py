@@ -239,7 +239,7 @@ def sample(
     if batch.all_greedy:
         next_ids = greedy_ids
     else:
-        next_ids = _draw(_filtered_probs(penalised, batch), batch)
+        next_ids = _draw(filtered_probs(penalised, batch), batch)
         if batch.any_greedy:
             next_ids = torch.where(batch.is_greedy, greedy_ids, next_ids)
 
@@ -274,7 +274,7 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch, state: PenaltySt
     return out
 
 
-def _filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """softmax(logits / T) restricted to top-k, then top-p of what is left, then min-p; rows sum to 1."""
     scaled = logits / batch.temperatures
     if batch.use_top_k or batch.use_top_p:

@@ -34,29 +34,43 @@ def accepted_prefix(accepts: torch.Tensor) -> torch.Tensor:
     return torch.cumprod(accepts.to(torch.int64), dim=1).sum(dim=1)
 
 
-def accept_greedy(draft_ids: torch.Tensor, target_ids: torch.Tensor) -> Accepted:
-    """`draft_ids` [batch, K], `target_ids` [batch, K + 1] the target's argmax at each verify row."""
+def drafts_in_use(draft_ids: torch.Tensor, num_drafts: torch.Tensor | None) -> torch.Tensor:
+    """[batch, K] True where a draft was verified: a request may verify fewer than K (`num_drafts` [batch])."""
+    if num_drafts is None:
+        return torch.ones_like(draft_ids, dtype=torch.bool)
+    steps = torch.arange(draft_ids.shape[1], device=draft_ids.device)
+    return steps[None, :] < num_drafts[:, None]
+
+
+def accept_greedy(
+    draft_ids: torch.Tensor, target_ids: torch.Tensor, num_drafts: torch.Tensor | None = None
+) -> Accepted:
+    """`draft_ids` [batch, K], `target_ids` [batch, K + 1] the target's argmax at each verify row; a request
+    with `num_drafts[i]` < K verified only its first drafts (its other rows are ignored)."""
     _check_shapes(draft_ids, target_ids.shape)
-    num = accepted_prefix(draft_ids == target_ids[:, :-1])
+    num = accepted_prefix((draft_ids == target_ids[:, :-1]) & drafts_in_use(draft_ids, num_drafts))
     # accepted drafts equal the target's choices, so the emitted tokens are the target's first n + 1
     return Accepted(num, target_ids)
 
 
 def accept_sampled(
-    draft_ids: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator | None = None
+    draft_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    generator: torch.Generator | None = None,
+    num_drafts: torch.Tensor | None = None,
 ) -> Accepted:
     """`draft_ids` [batch, K] greedy drafts, `target_probs` [batch, K + 1, vocab] the target's sampling
     distribution at each verify row (after temperature, top-k/p, penalties). Emits tokens distributed exactly
-    as sampling the target token by token would."""
+    as sampling the target token by token would. `num_drafts` as for `accept_greedy`."""
     batch, k = _check_shapes(draft_ids, target_probs.shape[:2])
     rows = torch.arange(batch, device=draft_ids.device)[:, None]
     steps = torch.arange(k, device=draft_ids.device)[None, :]
     draft_probs = target_probs[rows, steps, draft_ids]  # [batch, K]: p_i(d_i)
     uniform = torch.rand(draft_probs.shape, generator=generator, device=draft_probs.device)
-    num = accepted_prefix(uniform < draft_probs)
+    num = accepted_prefix((uniform < draft_probs) & drafts_in_use(draft_ids, num_drafts))
     # the distribution of the token after the accepted run: residual at a rejection, p_K after K acceptances
     last = target_probs[rows[:, 0], num].clone()  # [batch, vocab]
-    rejected = num < k
+    rejected = num < (k if num_drafts is None else num_drafts)
     rejected_draft = draft_ids.gather(1, num.clamp(max=k - 1)[:, None])[:, 0]
     last[rows[:, 0], rejected_draft] = torch.where(rejected, 0.0, last[rows[:, 0], rejected_draft])
     # a rejection leaves mass outside d (p(d) < u <= 1), so the residual never sums to zero

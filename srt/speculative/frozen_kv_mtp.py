@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from srt.configs.assistant_config import DRAFT_EXTRA_SWA_TOKENS
 from srt.forward.forward_batch import ForwardBatch, ForwardMode
 from srt.layers.attention.base import AttentionBackend
 from srt.mem_cache.kv_pool import HybridKVPool
@@ -49,6 +50,8 @@ class FrozenKVDrafter:
         self.assistant = assistant
         self.target_embedding = target.model.embed_tokens
         self.num_steps = num_steps
+        # sliding-window KV positions it reads beyond the target's next query: the scheduler keeps them
+        self.extra_swa_tokens = DRAFT_EXTRA_SWA_TOKENS
 
     @torch.no_grad()
     def draft(

@@ -1,0 +1,187 @@
+"""Speculative verify rounds inside the scheduler's steps (FROZEN_KV_MTP, issue #23).
+
+A decoding request that speculates takes part in a step with its newest token t0 (sampled, no KV yet)
+followed by its k drafts: k + 1 rows, every one a logits row.
+
+    rows       t0  d1  d2  d3           positions kv_len .. kv_len + k; the step writes KV for all of them
+    target     c0  c1  c2  c3           c_i: the target's token after row i
+    accept     d1 == c0, d2 == c1, ...  n drafts (speculative sampling with temperature: `accept_sampled`)
+    emitted    d1 .. dn, c_n            n + 1 tokens; a stop inside them ends the request there
+    KV kept    t0, d1 .. d(m-1)         one row per emitted token kept (m); the rest is given back
+    next round newest token c_n, the hidden state of row n
+
+A request speculates when its sampling does not depend on its own history within the round: penalties and
+min_new_tokens would score row i after drafts the host has not accepted yet, so such requests decode one
+token at a time in the same steps. Nothing here reads the device until `VerifyRound.apply`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from srt.forward.host_device import DeviceToHost
+from srt.managers.io_struct import TokenLogprob
+from srt.managers.kv_rollback import give_back_kv
+from srt.managers.request_output import finish_check
+from srt.managers.schedule_batch import Req
+from srt.mem_cache.allocator import SWATokenAllocator
+from srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from srt.sampling.sampler import SamplingBatch, filtered_probs, top_logprobs
+from srt.sampling.sampling_params import SamplingParams
+from srt.speculative.accept import Accepted, accept_greedy, accept_sampled
+
+# benchmark-only: verify accepts this many tokens per round on average (bonus included), whatever the drafts
+SIMULATE_ACCEPT_LEN = "SRT_SIMULATE_ACCEPT_LEN"
+
+
+def simulated_accept_len() -> float | None:
+    value = os.environ.get(SIMULATE_ACCEPT_LEN, "").strip()
+    return float(value) if value else None
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request with these parameters verifies drafts (module docstring)."""
+    return (
+        params.repetition_penalty == 1.0
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+        and params.min_new_tokens == 0
+    )
+
+
+def num_drafts_for(req: Req, num_steps: int, context_len: int) -> int:
+    """Drafts worth verifying for `req`: none past max_new_tokens or the context (the last emitted token is the
+    target's own)."""
+    if not speculates(req.params.sampling_params):
+        return 0
+    left = min(req.params.sampling_params.max_new_tokens - len(req.output_ids), context_len - req.num_tokens)
+    return max(0, min(num_steps, left - 1))
+
+
+@dataclass
+class VerifyRound:
+    """The verify rows of one step: launched on the device by `launch`, read and applied by `apply`."""
+
+    reqs: list[Req]
+    num_drafts: list[int]
+    accepted: Accepted
+    copies: DeviceToHost  # num accepted, tokens, then logprobs and top-k ids and values where asked for
+    has_logprobs: bool
+    top_logprobs_num: int
+
+    @classmethod
+    def launch(
+        cls,
+        reqs: list[Req],
+        num_drafts: list[int],
+        first_rows: list[int],
+        drafts: torch.Tensor,
+        logits: torch.Tensor,
+        greedy_ids: torch.Tensor | None,
+        hidden_states: torch.Tensor,
+        sampling: SamplingBatch | None,
+        accept_len: float | None = None,
+    ) -> VerifyRound:
+        """Accept drafts on the device. `first_rows`: each request's first verify row of `logits`/`hidden_states`
+        [rows, ...]; `drafts` [batch, K] (a request uses its first `num_drafts`); `sampling`: the requests'
+        parameters, None when all are greedy. Sets each request's `draft_hidden` for the next round."""
+        device = logits.device
+        k = drafts.shape[1]
+        first = torch.tensor(first_rows, dtype=torch.int64, device=device)
+        counts = torch.tensor(num_drafts, dtype=torch.int64, device=device)
+        # [batch, K + 1] logits row of each verify row; a request's rows past its drafts repeat its last one
+        steps = torch.arange(k + 1, device=device)
+        rows = first[:, None] + torch.minimum(steps[None, :], counts[:, None])
+        target_ids = (greedy_ids if greedy_ids is not None else logits.argmax(dim=-1))[rows]
+        accepted = accept_greedy(drafts, target_ids, counts)
+        if sampling is not None and not sampling.all_greedy:
+            accepted = _accept_sampled_rows(reqs, drafts, logits[rows], sampling, counts, accepted)
+        if accept_len is not None:
+            accepted = _simulated(drafts, accepted.tokens, counts, accept_len)
+        hidden = hidden_states[first + accepted.num_accepted]  # the row that chose each round's last token
+        for i, req in enumerate(reqs):
+            req.draft_hidden = hidden[i]
+        tensors = [accepted.num_accepted, accepted.tokens]
+        has_logprobs = any(req.params.return_logprob for req in reqs)
+        top_num = max((req.params.top_logprobs_num for req in reqs), default=0) if has_logprobs else 0
+        if has_logprobs:
+            row_logits = logits[rows].flatten(0, 1)  # raw logits, as the sampler reports them
+            log_norm = row_logits.logsumexp(dim=-1)
+            chosen = row_logits.gather(1, accepted.tokens.reshape(-1, 1))[:, 0] - log_norm
+            tensors.append(chosen.view(len(reqs), k + 1))
+            if top_num:
+                top = top_logprobs(row_logits, top_num)
+                tensors += [top.ids.view(len(reqs), k + 1, -1), top.values.view(len(reqs), k + 1, -1)]
+        return cls(reqs, num_drafts, accepted, DeviceToHost(tensors), has_logprobs, top_num)
+
+    def apply(
+        self,
+        eos_ids: set[int],
+        context_len: int,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: SWATokenAllocator,
+        window: int,
+    ) -> list[int]:
+        """Append each request's emitted tokens up to a stop and give back the KV of rows not kept (each
+        request's `kv_len` counted all its verify rows when the step was launched). Returns the accepted
+        drafts of each request (for its counters and /metrics)."""
+        copies = iter([t.tolist() for t in self.copies.get()])
+        num_accepted, tokens = next(copies), next(copies)
+        logprobs = next(copies) if self.has_logprobs else None
+        top_ids, top_values = (next(copies), next(copies)) if self.top_logprobs_num else (None, None)
+        for i, req in enumerate(self.reqs):
+            kept = 0
+            for j in range(num_accepted[i] + 1):
+                req.output_ids.append(tokens[i][j])
+                if req.params.return_logprob:
+                    k = req.params.top_logprobs_num
+                    top = list(zip(top_ids[i][j][:k], top_values[i][j][:k])) if k else []
+                    req.output_logprobs.append(TokenLogprob(tokens[i][j], float(logprobs[i][j]), top))
+                kept += 1
+                req.finished_reason = finish_check(req, eos_ids, context_len)
+                if req.finished:
+                    break
+            give_back_kv(req, self.num_drafts[i] + 1 - kept, req_to_token_pool, allocator, window)
+            req.spec_verify_ct += 1
+            req.spec_accepted_tokens += kept - 1
+        return num_accepted
+
+
+def _accept_sampled_rows(
+    reqs: list[Req],
+    drafts: torch.Tensor,
+    row_logits: torch.Tensor,
+    sampling: SamplingBatch,
+    counts: torch.Tensor,
+    greedy: Accepted,
+) -> Accepted:
+    """Speculative sampling for the requests that sample; greedy ones keep `greedy`. Each seeded request draws
+    from its own generator, the rest from the batch's default one."""
+    batch, rows, vocab = row_logits.shape
+    probs = filtered_probs(row_logits.reshape(batch * rows, vocab), sampling).view(batch, rows, vocab)
+    num, tokens = greedy.num_accepted.clone(), greedy.tokens.clone()
+    sampled = [i for i, req in enumerate(reqs) if not req.params.sampling_params.is_greedy]
+    groups = [[i] for i in sampled if reqs[i].generator is not None]
+    unseeded = [i for i in sampled if reqs[i].generator is None]
+    groups += [unseeded] if unseeded else []
+    for group in groups:
+        index = torch.tensor(group, dtype=torch.int64, device=drafts.device)
+        generator = reqs[group[0]].generator or sampling.default_generator
+        out = accept_sampled(drafts[index], probs[index], generator, counts[index])
+        num[index], tokens[index] = out.num_accepted, out.tokens
+    return Accepted(num, tokens)
+
+
+def _simulated(drafts: torch.Tensor, target_tokens: torch.Tensor, counts: torch.Tensor, accept_len: float) -> Accepted:
+    """Benchmarks on random weights: accept a mean of `accept_len - 1` drafts per round whatever they are (the
+    fraction drawn per request), then the target's token after them. Changes outputs: dummy weights only."""
+    whole = int(accept_len - 1)
+    extra = torch.rand(counts.shape, device=counts.device) < (accept_len - 1 - whole)
+    num = torch.minimum(whole + extra.to(torch.int64), counts)
+    steps = torch.arange(target_tokens.shape[1], device=counts.device)
+    padded = torch.cat([drafts, drafts[:, :1]], dim=1)
+    tokens = torch.where(steps[None, :] < num[:, None], padded, target_tokens)
+    return Accepted(num, tokens)

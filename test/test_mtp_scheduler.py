@@ -1,0 +1,138 @@
+"""Speculative decoding (FROZEN_KV_MTP) changes no greedy output and leaks no KV.
+
+With the real tiny assistants (random weights accept almost nothing) and with a drafter that knows the
+target's continuation and gets a different number of drafts right for each request and round (so verify
+accepts 0 .. K per request in one batch): outputs equal those without MTP, max_tokens and stop tokens land
+inside accepted runs, logprobs are the target's, and every pool and cache is consistent after every step,
+under chunked prefill, prefix hits, an abort, retraction and a nearly full sliding-window pool.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_overlap_schedule import drive
+from test_scheduler import assert_idle_and_consistent, greedy, make_scheduler, prompts
+
+from srt.managers.inprocess import run_to_completion
+from srt.managers.scheduler import Scheduler
+from srt.speculative.frozen_kv_mtp import DraftRequests
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VARIANTS = ["E2B", "E4B", "26B-A4B", "31B"]
+K = 3
+
+
+def mtp_scheduler(tiny_checkpoint, variant: str = "E4B", **overrides) -> Scheduler:
+    return make_scheduler(
+        tiny_checkpoint(f"tiny-gemma-4-{variant}-it"),
+        speculative_draft_model_path=str(tiny_checkpoint(f"tiny-gemma-4-{variant}-it-assistant")),
+        speculative_num_steps=K,
+        **overrides,
+    )
+
+
+def knowing_drafter(scheduler: Scheduler, continuations: dict[str, list[int]], vocab_size: int) -> list[int]:
+    """Replace the assistant with drafts from each request's known greedy continuation (prompt + output
+    alone), right for a number of leading drafts that varies by request and round; returns the right counts."""
+    right_counts = []
+
+    def draft(requests: DraftRequests) -> torch.Tensor:
+        by_row = {req.req_pool_idx: req for req in scheduler.running}
+        rows = []
+        for row, kv_len in zip(requests.req_pool_indices, requests.kv_lens, strict=True):
+            req = by_row[row]
+            known = continuations[req.rid][kv_len + 1 : kv_len + 1 + K]
+            known += [0] * (K - len(known))
+            right = (len(req.rid) * 7 + kv_len) % (K + 1)
+            right_counts.append(right)
+            rows.append(known[:right] + [(t + 1) % vocab_size for t in known[right:]])
+        return torch.tensor(rows, dtype=torch.int64)
+
+    scheduler.runner.draft = draft
+    return right_counts
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_outputs_with_the_assistant_equal_those_without(tiny_checkpoint, variant) -> None:
+    ids = prompts(3, seed=11, low=5, high=40)
+    requests = [greedy(str(i), p, max_new_tokens=9) for i, p in enumerate(ids)]
+    plain = make_scheduler(tiny_checkpoint(f"tiny-gemma-4-{variant}-it"))
+    expected = {r.rid: run_to_completion(plain, [r])[r.rid].output_ids for r in requests}
+    scheduler = mtp_scheduler(tiny_checkpoint, variant)
+    alone = run_to_completion(scheduler, requests[:1])
+    batched = run_to_completion(scheduler, requests)
+    assert alone["0"].output_ids == expected["0"]
+    assert {rid: result.output_ids for rid, result in batched.items()} == expected
+    # the first token comes from the prefill, the last from a plain row (nothing left to draft), the rest from
+    # verify rounds
+    rounds = batched["0"].spec_verify_ct
+    assert 0 < rounds and rounds + batched["0"].spec_accepted_tokens == 7
+    assert_idle_and_consistent(scheduler)
+
+
+def test_different_acceptance_per_request_in_one_batch(tiny_checkpoint, monkeypatch) -> None:
+    """Chunks of 8 (mixed with verify rows), a prefix hit, an abort mid-prefill, retraction under a small
+    budget and a sliding-window pool at a quarter of the full one; KV indices checked before every kernel."""
+    monkeypatch.setenv("SRT_DEBUG_KV_INDICES", "1")
+    ids = prompts(6, seed=21, low=20, high=60)
+    ids[5] = ids[3][:30] + ids[5][:10]
+    lengths = [37, 19, 22, 25, 34, 21]  # max_tokens land inside accepted runs
+    requests = [greedy(str(i) * (i + 1), p, max_new_tokens=n) for i, (p, n) in enumerate(zip(ids, lengths))]
+    plain = make_scheduler(tiny_checkpoint("tiny-gemma-4-E4B-it"), disable_radix_cache=True)
+    expected = {r.rid: run_to_completion(plain, [r])[r.rid].output_ids for r in requests}
+
+    scheduler = mtp_scheduler(tiny_checkpoint, chunked_prefill_size=8, max_total_tokens=100, swa_full_tokens_ratio=0.5)
+    continuations = {r.rid: list(r.input_ids) + expected[r.rid] for r in requests}
+    right_counts = knowing_drafter(scheduler, continuations, scheduler.runner.model_config.vocab_size)
+    doomed = greedy("aborted", prompts(1, seed=5, low=50)[0])
+    aborted = []
+
+    def at_step(step: int) -> None:
+        scheduler.check_integrity()
+        doomed_req = next((req for req in scheduler.running if req.rid == doomed.rid), None)
+        if doomed_req is not None and 0 < doomed_req.kv_len < len(doomed.input_ids) and not aborted:
+            aborted.append(scheduler.abort(doomed.rid))
+
+    results = drive(scheduler, {0: requests[:2], 2: requests[2:4] + [doomed], 5: requests[4:]}, at_step)
+    for request in requests:
+        assert results[request.rid].output_ids == expected[request.rid], request.rid
+    assert aborted and set(right_counts) == set(range(K + 1))
+    accepted = sum(results[r.rid].spec_accepted_tokens for r in requests)
+    assert accepted > 0 and sum(scheduler.accept_counts[1:]) > 0
+    assert scheduler.num_retractions > 0
+    assert_idle_and_consistent(scheduler)
+
+
+def test_stop_tokens_inside_an_accepted_run_end_the_request_there(tiny_checkpoint) -> None:
+    prompt = prompts(1, seed=8, low=10, high=11)[0]
+    plain = make_scheduler(tiny_checkpoint("tiny-gemma-4-E4B-it"))
+    full = run_to_completion(plain, [greedy("r", prompt, max_new_tokens=12)])["r"].output_ids
+    stop = full[6]
+    expected = full[: full.index(stop) + 1]
+    scheduler = mtp_scheduler(tiny_checkpoint)
+    knowing_drafter(scheduler, {"r": prompt + full}, scheduler.runner.model_config.vocab_size)
+    assert run_to_completion(scheduler, [greedy("r", prompt, max_new_tokens=12)])["r"].output_ids == full
+    request = greedy("s", prompt, max_new_tokens=12)
+    request.sampling_params.stop_token_ids = [stop]
+    knowing_drafter(scheduler, {"s": prompt + full}, scheduler.runner.model_config.vocab_size)
+    result = run_to_completion(scheduler, [request])["s"]
+    assert result.output_ids == expected and result.finished_reason.kind == "stop"
+    assert_idle_and_consistent(scheduler)
+
+
+def test_logprobs_with_mtp_are_the_targets(tiny_checkpoint) -> None:
+    prompt = prompts(1, seed=9, low=12, high=13)[0]
+    request = greedy("lp", prompt, max_new_tokens=10, return_logprob=True, top_logprobs_num=3)
+    plain = make_scheduler(tiny_checkpoint("tiny-gemma-4-E4B-it"))
+    expected = run_to_completion(plain, [request])["lp"]
+    scheduler = mtp_scheduler(tiny_checkpoint)
+    knowing_drafter(scheduler, {"lp": prompt + expected.output_ids}, scheduler.runner.model_config.vocab_size)
+    result = run_to_completion(scheduler, [request])["lp"]
+    assert result.output_ids == expected.output_ids and result.spec_accepted_tokens > 0
+    for got, want in zip(result.output_logprobs, expected.output_logprobs, strict=True):
+        assert got.token_id == want.token_id
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t for t, _ in got.top] == [t for t, _ in want.top]
+    assert_idle_and_consistent(scheduler)
