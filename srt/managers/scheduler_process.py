@@ -209,7 +209,7 @@ class StatusLog:
         self.last_time, self.last_tokens, self.active = now, generated_tokens_total, busy
 
     def _accept_length(self, scheduler: Scheduler) -> str:
-        """", accept length L" (tokens per verify round since the last line) under speculative decoding."""
+        """ ", accept length L" (tokens per verify round since the last line) under speculative decoding."""
         counts = scheduler.accept_counts
         last, self.last_accept_counts = self.last_accept_counts or [0] * len(counts), list(counts)
         rounds = [now - before for now, before in zip(counts, last, strict=True)]
