@@ -9,13 +9,19 @@ under chunked prefill, prefix hits, an abort, retraction and a nearly full slidi
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 import pytest
 import torch
+import transformers
 from test_overlap_schedule import drive
 from test_scheduler import assert_idle_and_consistent, greedy, make_scheduler, prompts
 
 from srt.managers.inprocess import run_to_completion
+from srt.managers.io_struct import TokenizedGenerateReq
 from srt.managers.scheduler import Scheduler
+from srt.sampling.sampling_params import SamplingParams
 from srt.speculative.frozen_kv_mtp import DraftRequests
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -65,10 +71,9 @@ def test_greedy_outputs_with_the_assistant_equal_those_without(tiny_checkpoint, 
     batched = run_to_completion(scheduler, requests)
     assert alone["0"].output_ids == expected["0"]
     assert {rid: result.output_ids for rid, result in batched.items()} == expected
-    # the first token comes from the prefill, the last from a plain row (nothing left to draft), the rest from
-    # verify rounds
+    # the first token comes from the prefill, the rest from verify rounds (the last with nothing left to draft)
     rounds = batched["0"].spec_verify_ct
-    assert 0 < rounds and rounds + batched["0"].spec_accepted_tokens == 7
+    assert 0 < rounds and rounds + batched["0"].spec_accepted_tokens == 8
     assert_idle_and_consistent(scheduler)
 
 
@@ -135,4 +140,66 @@ def test_logprobs_with_mtp_are_the_targets(tiny_checkpoint) -> None:
         assert got.token_id == want.token_id
         assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
         assert [t for t, _ in got.top] == [t for t, _ in want.top]
+    assert_idle_and_consistent(scheduler)
+
+
+def test_sampling_with_mtp_keeps_the_targets_distribution(tiny_checkpoint) -> None:
+    """Temperature 1, top-k 3: the first two tokens of 600 requests, the second from a verify round whose draft
+    is the target's likeliest token (accepted with probability p(d), else the residual is drawn), against the
+    target's exact distribution of the 9 pairs: a chi-square test at p = 0.001 (8 degrees of freedom)."""
+    prompt = prompts(1, seed=12, low=8, high=9)[0]
+    plain = make_scheduler(tiny_checkpoint("tiny-gemma-4-E4B-it"))
+
+    def top3(ids: list[int]) -> dict[int, float]:
+        request = greedy("p", ids, max_new_tokens=1, return_logprob=True, top_logprobs_num=3)
+        top = run_to_completion(plain, [request])["p"].output_logprobs[0].top
+        weights = {token: math.exp(logprob) for token, logprob in top}
+        return {token: weight / sum(weights.values()) for token, weight in weights.items()}
+
+    first = top3(prompt)
+    second = {t1: top3(prompt + [t1]) for t1 in first}
+    exact = {(t1, t2): p1 * p2 for t1, p1 in first.items() for t2, p2 in second[t1].items()}
+    likeliest = {t1: max(probs, key=probs.get) for t1, probs in second.items()}
+
+    scheduler = mtp_scheduler(tiny_checkpoint, max_running_requests=300)
+    scheduler.runner.draft = lambda requests: torch.tensor(
+        [[likeliest[t1]] * K for t1 in requests.last_token_ids.tolist()], dtype=torch.int64
+    )
+    params = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True)
+    requests = [TokenizedGenerateReq(str(i), prompt, params) for i in range(600)]
+    results = run_to_completion(scheduler, requests)
+    pairs = Counter(tuple(result.output_ids[:2]) for result in results.values())
+    assert set(pairs) <= set(exact)
+    assert sum(result.spec_accepted_tokens for result in results.values()) > 100  # both branches ran
+    chi2 = sum((pairs[pair] - 600 * p) ** 2 / (600 * p) for pair, p in exact.items())
+    assert chi2 < 26.12, (chi2, pairs, exact)
+    assert_idle_and_consistent(scheduler)
+
+
+def transformers_assisted(target_dir, assistant_dir, prompt: list[int], max_new_tokens: int) -> tuple[list[int], int]:
+    """transformers' assisted generation with the assistant (K drafts a round, constant): the output ids and the
+    number of target forwards after the prefill."""
+    target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    assistant = transformers.AutoModelForCausalLM.from_pretrained(assistant_dir, dtype=torch.float32).eval()
+    assistant.generation_config.num_assistant_tokens = K
+    assistant.generation_config.num_assistant_tokens_schedule = "constant"
+    forwards = []
+    target.register_forward_hook(lambda *_: forwards.append(1))
+    ids = torch.tensor([prompt])
+    out = target.generate(ids, assistant_model=assistant, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist(), len(forwards) - 1
+
+
+def test_verify_rounds_equal_transformers_target_forwards(tiny_checkpoint) -> None:
+    """transformers drafts its first round from the prompt's first hidden state and later ones over the
+    rejected draft's KV, so its drafts differ from srt's (which follow its candidate generator from a
+    consistent state, test_mtp_drafter.py); random weights accept neither, and the round counts agree."""
+    target_dir = tiny_checkpoint("tiny-gemma-4-E4B-it")
+    assistant_dir = tiny_checkpoint("tiny-gemma-4-E4B-it-assistant")
+    scheduler = mtp_scheduler(tiny_checkpoint)
+    for i, prompt in enumerate(prompts(2, seed=14, low=6, high=30)):
+        expected, forwards = transformers_assisted(target_dir, assistant_dir, prompt, 12)
+        result = run_to_completion(scheduler, [greedy(str(i), prompt, max_new_tokens=12)])[str(i)]
+        assert result.output_ids == expected
+        assert result.spec_verify_ct == forwards
     assert_idle_and_consistent(scheduler)

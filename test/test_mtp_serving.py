@@ -33,9 +33,9 @@ def test_generate_with_mtp_matches_the_target_alone(server, tiny_checkpoint) -> 
     for result in results:
         meta = result["meta_info"]
         assert meta["spec_verify_ct"] > 0
-        assert meta["spec_verify_ct"] + meta["spec_accepted_tokens"] == NEW_TOKENS - 2  # prefill, last plain row
+        assert meta["spec_verify_ct"] + meta["spec_accepted_tokens"] == NEW_TOKENS - 1  # the first: the prefill
     metrics = samples(httpx.get(f"{server.url}/metrics", timeout=30).content)
     model = (("model_name", str(tiny_checkpoint(PRESET))),)
     rounds = metrics["srt_spec_accept_length_count", model]
-    assert rounds >= 2 * results[0]["meta_info"]["spec_verify_ct"] - 2
+    assert rounds >= sum(result["meta_info"]["spec_verify_ct"] for result in results)
     assert metrics["srt_spec_accept_length_mean", model] >= 1.0

@@ -46,7 +46,7 @@ from srt.managers.request_output import (
 )
 from srt.managers.schedule_batch import Req, ScheduleBatch, ScheduledReq, fill_drafts
 from srt.managers.schedule_policy import PrefillBudget, order_waiting
-from srt.managers.verify_round import VerifyRound, num_drafts_for, simulated_accept_len
+from srt.managers.verify_round import VerifyRound, num_drafts_for, simulated_accept_len, speculates
 from srt.mem_cache.base_prefix_cache import PrefixCache
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.swa_radix_cache import SWARadixCache
@@ -335,6 +335,12 @@ class Scheduler:
             pools = (self.req_to_token_pool, self.allocator)
             for num in launched.verify.apply(self.eos_ids, self.runner.context_len, *pools, self.sliding_window):
                 self.accept_counts[num] += 1
+        if self.drafter is not None:
+            # a speculating request's last tokens, with nothing left to draft, are rounds of their own
+            for item in launched.batch.items:
+                if item.decode and not item.num_drafts and speculates(item.req.params.sampling_params):
+                    item.req.spec_verify_ct += 1
+                    self.accept_counts[0] += 1
         outputs, out_of_window = [], []
         for item in launched.batch.items:
             req = item.req
