@@ -15,6 +15,7 @@ from collections import Counter
 import pytest
 import torch
 import transformers
+from test_cuda_graph_runner import spy_on_steps
 from test_overlap_schedule import drive
 from test_scheduler import assert_idle_and_consistent, greedy, make_scheduler, prompts
 
@@ -202,4 +203,65 @@ def test_verify_rounds_equal_transformers_target_forwards(tiny_checkpoint) -> No
         result = run_to_completion(scheduler, [greedy(str(i), prompt, max_new_tokens=12)])[str(i)]
         assert result.output_ids == expected
         assert result.spec_verify_ct == forwards
+    assert_idle_and_consistent(scheduler)
+
+
+def test_padded_draft_and_verify_steps_change_nothing(tiny_checkpoint) -> None:
+    """The steps the CUDA graphs capture, run eagerly on CPU: a draft round of 3 requests padded to 4 drafts
+    what the plain drafter does, and verify steps replayed at padded token counts keep every output."""
+    ids = prompts(3, seed=31, low=10, high=40)
+    requests = [greedy(str(i), p, max_new_tokens=14) for i, p in enumerate(ids)]
+    plain = make_scheduler(tiny_checkpoint("tiny-gemma-4-E4B-it"))
+    expected = {r.rid: run_to_completion(plain, [r])[r.rid].output_ids for r in requests}
+
+    scheduler = mtp_scheduler(tiny_checkpoint, max_running_requests=4)
+    runner = scheduler.runner
+    runner.capture_cuda_graphs(use_graphs=False)
+    rounds: list[tuple[torch.Tensor, torch.Tensor]] = []
+    padded_draft = runner.draft
+
+    def draft_both_ways(requests: DraftRequests) -> torch.Tensor:
+        plain_drafts = runner.drafter.draft(requests, runner.req_to_token_pool, runner.kv_pool, runner.attn_backend)
+        drafts = padded_draft(requests)
+        rounds.append((drafts.clone(), plain_drafts))
+        return drafts
+
+    runner.draft = draft_both_ways
+    verify_tokens: list[int] = []
+    spy_on_steps(runner.verify_graphs.steps, verify_tokens)
+    results = run_to_completion(scheduler, requests)
+    assert {rid: result.output_ids for rid, result in results.items()} == expected
+    assert any(len(drafts) == 3 for drafts, _ in rounds)
+    assert all(torch.equal(padded, plain) for padded, plain in rounds)
+    assert 4 * (K + 1) in verify_tokens  # 3 requests verify in the step of 4
+    assert_idle_and_consistent(scheduler)
+
+
+# ---- GPU: real graphs ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_captured_draft_and_verify_steps_keep_greedy_outputs(tiny_checkpoint, variant) -> None:
+    """Captured draft rounds and verify steps (the knowing drafter for acceptance, then the real assistant):
+    the greedy outputs of the target alone."""
+    ids = prompts(5, seed=41, low=10, high=60)
+    requests = [greedy(str(i), p, max_new_tokens=20) for i, p in enumerate(ids)]
+    common = dict(device="cuda", dtype="float32", max_running_requests=8, max_total_tokens=4096)
+    plain = make_scheduler(tiny_checkpoint(f"tiny-gemma-4-{variant}-it"), **common)
+    expected = {r.rid: run_to_completion(plain, [r])[r.rid].output_ids for r in requests}
+    del plain
+    scheduler = mtp_scheduler(tiny_checkpoint, variant, **common)
+    runner = scheduler.runner
+    assert runner.draft_graphs.steps.use_graphs and runner.verify_graphs.steps.use_graphs
+    verify_tokens: list[int] = []
+    spy_on_steps(runner.verify_graphs.steps, verify_tokens)
+    results = run_to_completion(scheduler, requests)
+    assert {rid: result.output_ids for rid, result in results.items()} == expected
+    continuations = {r.rid: list(r.input_ids) + expected[r.rid] for r in requests}
+    knowing_drafter(scheduler, continuations, runner.model_config.vocab_size)
+    results = run_to_completion(scheduler, requests)
+    assert {rid: result.output_ids for rid, result in results.items()} == expected
+    assert sum(result.spec_accepted_tokens for result in results.values()) > 0
+    assert verify_tokens
     assert_idle_and_consistent(scheduler)

@@ -30,7 +30,7 @@ from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from srt.model_executor.captured_steps import CapturedSteps, StaticInputs
 
 
-class _OneRowPerRequestSteps:
+class OneRowPerRequestSteps:
     """What both runners share: static per-row inputs, the captured steps, and the decode-shaped batch a step
     runs (one row per request, so the attention backends take their one-row-per-request path)."""
 
@@ -88,7 +88,7 @@ class _OneRowPerRequestSteps:
         )
 
 
-class DecodeGraphs(_OneRowPerRequestSteps):
+class DecodeGraphs(OneRowPerRequestSteps):
     """The whole model's decode step (logits included), captured per batch size."""
 
     def __init__(
@@ -126,7 +126,7 @@ class DecodeGraphs(_OneRowPerRequestSteps):
         return self.model(self._batch(batch_size, view["input_ids"], view["out_cache_loc"]), self.backend)
 
 
-class SharedLayerGraphs(_OneRowPerRequestSteps):
+class SharedLayerGraphs(OneRowPerRequestSteps):
     """YOCO's second part (`Gemma4TextModel.run_shared_layers`) for one logits row per request, per row count.
 
     The KV-shared layers write no KV, so their inputs are the rows' hidden states and per-layer inputs plus

@@ -18,6 +18,7 @@ from srt.mem_cache.memory_plan import MemoryPlan, plan_memory
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from srt.model_executor.captured_steps import default_batch_sizes
 from srt.model_executor.cuda_graph_runner import DecodeGraphs, SharedLayerGraphs
+from srt.model_executor.draft_graphs import DraftGraphs
 from srt.model_executor.extend_graphs import ExtendGraphs, default_token_counts
 from srt.model_loader.loader import load_model
 from srt.server_args import ServerArgs
@@ -89,6 +90,8 @@ class ModelRunner:
         self.yoco_rows_skipped_total = 0
         self.decode_graphs: DecodeGraphs | None = None
         self.extend_graphs: ExtendGraphs | None = None
+        self.verify_graphs: ExtendGraphs | None = None  # MTP verify steps: K + 1 rows per request
+        self.draft_graphs: DraftGraphs | None = None
         if self.device.type == "cuda" and backend == "triton" and not server_args.disable_cuda_graph:
             self.capture_cuda_graphs()
         logger.info(
@@ -129,6 +132,14 @@ class ModelRunner:
                 self.model, self.attn_backend, *pools, token_counts, args.max_running_requests, use_graphs, pool
             )
         self.decode_graphs = DecodeGraphs(self.model, self.attn_backend, *pools, batch_sizes, use_graphs, pool)
+        if self.drafter is not None:
+            rows = self.drafter.num_steps + 1
+            self.draft_graphs = DraftGraphs(self.drafter, self.attn_backend, *pools, batch_sizes, use_graphs, pool)
+            # verify steps of up to max_bs requests, every token a logits row (R = tokens)
+            self.verify_graphs = ExtendGraphs(
+                self.model, self.attn_backend, *pools, [rows * size for size in batch_sizes], rows * max_bs,
+                use_graphs, pool,
+            )  # fmt: skip
         text_model = self.model.model
         if text_model.yoco_layer is not None:
             text_model.shared_layer_graphs = SharedLayerGraphs(
@@ -137,6 +148,8 @@ class ModelRunner:
 
     def draft(self, requests: DraftRequests) -> torch.Tensor:
         """[batch, K] MTP draft tokens (FROZEN_KV_MTP); the drafter reads the target's KV, writes none."""
+        if self.draft_graphs is not None and self.draft_graphs.can_run(len(requests.kv_lens)):
+            return self.draft_graphs(requests)
         return self.drafter.draft(requests, self.req_to_token_pool, self.kv_pool, self.attn_backend)
 
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
@@ -146,7 +159,9 @@ class ModelRunner:
         """
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self.decode_graphs(batch)
-        if self.extend_graphs is not None and self.extend_graphs.can_run(batch):
+        if self.verify_graphs is not None and self.verify_graphs.can_run(batch):
+            output = self.verify_graphs(batch)
+        elif self.extend_graphs is not None and self.extend_graphs.can_run(batch):
             output = self.extend_graphs(batch)
         else:
             output = self.model(batch, self.attn_backend)

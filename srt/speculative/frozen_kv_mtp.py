@@ -79,8 +79,16 @@ class FrozenKVDrafter:
             kv_pool=kv_pool,
         )
         batch.positions += 1
+        return self.draft_batch(batch, requests.backbone_hidden, backend)
+
+    @torch.no_grad()
+    def draft_batch(
+        self, batch: ForwardBatch, backbone_hidden: torch.Tensor, backend: AttentionBackend
+    ) -> torch.Tensor:
+        """The K steps over a laid-out batch: one decode-shaped row per request at its newest token's position
+        p, reading KV 0 .. p-1 (seq_len p); `batch.input_ids` are the newest tokens. A CUDA graph captures it."""
         backend.init_forward_metadata(batch)  # once: positions and KV lengths are frozen for the round
-        token_ids, hidden = batch.input_ids, requests.backbone_hidden
+        token_ids, hidden = batch.input_ids, backbone_hidden
         drafts = []
         for _ in range(self.num_steps):
             token_ids, hidden = self.assistant.step(self.target_embedding(token_ids), hidden, batch, backend)
