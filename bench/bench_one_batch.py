@@ -14,6 +14,10 @@ speedup = transformers time / srt time):
 Floors (bench/floors.py): max(FLOPs / matmul rate, bytes read and written / copy bandwidth), from the config
 and rates measured on the device before the model is built (a device-to-device copy, an n^3 matmul in the
 model's dtype); the JSON holds the rates, each floor's FLOPs and bytes, and the ratios.
+MTP speculative decoding (bench/mtp_timing.py: plain decode step, draft round and verify step times, ms per
+output token with and without the assistant; random weights accept nothing, so simulate an accept length):
+    SRT_SIMULATE_ACCEPT_LEN=2.5 python bench/bench_one_batch.py --model-path gemma-4-E4B-it --load-format dummy \
+        --speculative-draft-model-path gemma-4-E4B-it-assistant --batch-size 1 32 --input-len 512 --output-len 64
 YOCO fast prefill A/B (prefill of the same prompts with the KV-shared layers on logits rows only, and on every
 row; same weights, the model's YOCO flag flipped between runs; prints both times, their ratio and the ideal
 ratio from layer FLOPs):
@@ -33,6 +37,7 @@ from typing import NamedTuple
 import torch
 from batch_fit import BatchNeed, built_runner, kv_pools, prompt_batch, refuse_unfit, uniform_batch
 from floors import DeviceRates, decode_floor, layer_flops, measure_device_rates, prefill_floor, weight_counts
+from mtp_timing import print_mtp, run_mtp_latency
 from tqdm import tqdm
 from transformers_baseline import GreedyRun, build_transformers_model, time_transformers
 
@@ -311,6 +316,9 @@ def main() -> None:
                 f" speedup {row['speedup']:5.2f}x (ideal by layer FLOPs {row['ideal_speedup']:5.2f}x),"
                 f" max |logit diff| {row['max_logit_diff']:.2e}, same greedy token: {row['same_greedy_token']}"
             )
+    elif server_args.speculative_algorithm:
+        output = run_mtp_latency(server_args, args.batch_size, args.input_len, args.output_len)
+        print_mtp(output)
     else:
         output = run_latency_mode(server_args, args)
         print_latency(output)

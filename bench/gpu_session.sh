@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md, in as few device calls as possible:
 #
 #     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase graph_steps yoco tune_norm moe serving
-#                                              serving_ab serving_ref profile)
+#                                              serving_ab serving_ref profile mtp)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
 # serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
@@ -36,6 +36,18 @@ stage_decode() {  # decode at batch 1 and 32 (512-token context) and the 7000-to
             --output-len 32 --json "$RESULTS/decode-$model.json"
         timeout 240 $BENCH --model-path gemma-4-$model-it $extra --batch-size 1 --input-len 7000 \
             --output-len 2 --json "$RESULTS/prefill-$model.json"
+    done
+}
+
+stage_mtp() {  # MTP: plain decode step vs draft round vs verify step, ms per output token, simulated acceptance
+    # MODELS (default E4B), MTP_BATCH (default "1 32"), ACCEPT_LEN (default 2.5 tokens per round, bonus included)
+    for model in ${MODELS:-E4B}; do
+        extra=""
+        [ "$model" = 26B-A4B ] && extra="--swa-full-tokens-ratio 1"
+        SRT_SIMULATE_ACCEPT_LEN=${ACCEPT_LEN:-2.5} timeout 420 $BENCH --model-path gemma-4-$model-it $extra \
+            --speculative-draft-model-path gemma-4-$model-it-assistant --batch-size ${MTP_BATCH:-1 32} \
+            --input-len 512 --output-len ${MTP_OUTPUT_LEN:-128} --json "$RESULTS/mtp-$model.json" 2>&1 \
+            | grep -E "^batch|Error|error"
     done
 }
 

@@ -57,6 +57,20 @@ SRT_DEBUG_KV_INDICES = Switch(
 
 SWITCHES = (GEMMA4_YOCO, SRT_TRITON_GEMM, SRT_PDL, SRT_DEBUG_KV_INDICES)
 
+SRT_SIMULATE_ACCEPT_LEN = "SRT_SIMULATE_ACCEPT_LEN"
+
+
+def simulated_accept_len() -> float | None:
+    """SRT_SIMULATE_ACCEPT_LEN, read when the scheduler starts: benchmarks on random weights only, verify accepts
+    this many tokens per round on average (bonus included, >= 1) whatever the drafts are. Changes outputs."""
+    value = os.environ.get(SRT_SIMULATE_ACCEPT_LEN, "").strip()
+    if not value:
+        return None
+    accept_len = float(value)
+    if not accept_len >= 1.0:
+        raise ValueError(f"{SRT_SIMULATE_ACCEPT_LEN} must be >= 1 (tokens per verify round); got {value!r}")
+    return accept_len
+
 
 def cache_home() -> Path:
     """Where srt caches files it builds (the dummy presets' stand-in tokenizers): $XDG_CACHE_HOME/srt, by

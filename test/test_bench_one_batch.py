@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -248,3 +249,22 @@ def test_graph_steps_bench_times_both_ways(tiny_checkpoint, tmp_path) -> None:
         (20, 0, 20), (50, 0, 50), (20, 3, 23), (50, 3, 53)
     ]  # fmt: skip
     assert all(r["graphs_s"] > 0 and r["eager_s"] > 0 and r["prefill_floor_s"] > 0 for r in results)
+
+
+def test_speculative_mode_reports_plain_and_mtp_decoding(tmp_path) -> None:
+    """With the assistant and a simulated accept length: both runs per batch size and the accept length they
+    measured (CPU: no GPU times)."""
+    out_file = tmp_path / "mtp.json"
+    command = [
+        sys.executable, str(REPO / "bench" / "bench_one_batch.py"), "--model-path", "tiny-gemma-4-E4B-it",
+        "--load-format", "dummy", "--device", "cpu", "--max-total-tokens", "1024",
+        "--speculative-draft-model-path", "tiny-gemma-4-E4B-it-assistant", "--batch-size", "1", "2",
+        "--input-len", "16", "--output-len", "9", "--json", str(out_file),
+    ]  # fmt: skip
+    env = {**os.environ, "SRT_SIMULATE_ACCEPT_LEN": "3.0", "OMP_NUM_THREADS": "1"}
+    subprocess.run(command, check=True, capture_output=True, timeout=300, env=env)
+    rows = json.loads(out_file.read_text())["mtp"]
+    assert [row["batch_size"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["plain_tokens_per_s"] > 0 and row["mtp_tokens_per_s"] > 0
+        assert 2.0 < row["accept_length"] <= 3.0  # 3 per round but the last rounds', cut by max_tokens

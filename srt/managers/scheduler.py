@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from srt.envs import simulated_accept_len
 from srt.forward.forward_batch import ForwardMode
 from srt.managers import request_kv
 from srt.managers.io_struct import FinishReason, ReqOutput, TokenizedGenerateReq
@@ -46,7 +47,7 @@ from srt.managers.request_output import (
 )
 from srt.managers.schedule_batch import Req, ScheduleBatch, ScheduledReq, fill_drafts
 from srt.managers.schedule_policy import PrefillBudget, order_waiting
-from srt.managers.verify_round import VerifyRound, num_drafts_for, simulated_accept_len, speculates
+from srt.managers.verify_round import VerifyRound, num_drafts_for, speculates
 from srt.mem_cache.base_prefix_cache import PrefixCache
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.swa_radix_cache import SWARadixCache

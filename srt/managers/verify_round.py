@@ -17,7 +17,6 @@ token at a time in the same steps. Nothing here reads the device until `VerifyRo
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -32,14 +31,6 @@ from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from srt.sampling.sampler import SamplingBatch, filtered_probs, top_logprobs
 from srt.sampling.sampling_params import SamplingParams
 from srt.speculative.accept import Accepted, accept_greedy, accept_sampled
-
-# benchmark-only: verify accepts this many tokens per round on average (bonus included), whatever the drafts
-SIMULATE_ACCEPT_LEN = "SRT_SIMULATE_ACCEPT_LEN"
-
-
-def simulated_accept_len() -> float | None:
-    value = os.environ.get(SIMULATE_ACCEPT_LEN, "").strip()
-    return float(value) if value else None
 
 
 def speculates(params: SamplingParams) -> bool:
