@@ -111,6 +111,31 @@ def test_different_acceptance_per_request_in_one_batch(tiny_checkpoint, monkeypa
     assert_idle_and_consistent(scheduler)
 
 
+def test_triton_verify_steps_attend_row_by_row(tiny_checkpoint) -> None:
+    """The Triton backend (interpreted on CPU) runs verify steps with the decode kernel, one row at a time over
+    each request's prefix: the outputs of the reference backend without MTP."""
+    ids = prompts(2, seed=51, low=18, high=30)
+    requests = [greedy(str(i), p, max_new_tokens=7) for i, p in enumerate(ids)]
+    plain = make_scheduler(tiny_checkpoint("tiny-gemma-4-E4B-it"))
+    expected = {r.rid: run_to_completion(plain, [r])[r.rid].output_ids for r in requests}
+    scheduler = mtp_scheduler(tiny_checkpoint, attention_backend="triton")
+    continuations = {r.rid: list(r.input_ids) + expected[r.rid] for r in requests}
+    knowing_drafter(scheduler, continuations, scheduler.runner.model_config.vocab_size)
+    row_by_row = []
+    init = scheduler.runner.attn_backend.init_forward_metadata
+
+    def spy(batch) -> None:
+        init(batch)
+        if batch.attend_row_by_row:
+            row_by_row.append(batch.attn_metadata.row_seq_lens.tolist() == (batch.positions + 1).tolist())
+
+    scheduler.runner.attn_backend.init_forward_metadata = spy
+    results = run_to_completion(scheduler, requests)
+    assert {rid: result.output_ids for rid, result in results.items()} == expected
+    assert row_by_row and all(row_by_row)
+    assert_idle_and_consistent(scheduler)
+
+
 def test_stop_tokens_inside_an_accepted_run_end_the_request_there(tiny_checkpoint) -> None:
     prompt = prompts(1, seed=8, low=10, high=11)[0]
     plain = make_scheduler(tiny_checkpoint("tiny-gemma-4-E4B-it"))

@@ -60,6 +60,9 @@ class ForwardBatch:
     # lists cannot describe the batch it replays, and whose padded logits rows are not "every row in order" even
     # when there are as many as tokens); without it `logits_batch()` derives it with `select_rows`
     logits_subset: ForwardBatch | None = None
+    # attention runs each query row alone over its request's KV up to its position (a few rows per request over
+    # a long prefix: speculative verify steps); only a hint for the kernel choice, the result is the same
+    attend_row_by_row: bool = False
 
     def __post_init__(self) -> None:
         # the model decides "every row needed?" from the host list: it must describe the device one

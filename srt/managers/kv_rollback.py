@@ -34,6 +34,31 @@ def give_back_kv(
     Call it between steps: no step in flight may still write the tokens' KV. `req.output_ids` is left alone:
     output tokens whose KV is given back are computed again by the next step that runs the request.
     """
+    return give_back_kv_of([req], [num_tokens], req_to_token_pool, allocator, window)
+
+
+def give_back_kv_of(
+    reqs: list[Req], num_tokens: list[int], req_to_token_pool: ReqToTokenPool, allocator: SWATokenAllocator, window: int
+) -> torch.Tensor:
+    """`give_back_kv` for several requests at once (a verify step's): every request is checked before anything
+    changes, then one gather, one free and one write serve them all."""
+    for req, num in zip(reqs, num_tokens, strict=True):
+        _check(req, num, window)
+    rows = [req.req_pool_idx for req, num in zip(reqs, num_tokens, strict=True) for _ in range(num)]
+    positions = [pos for req, num in zip(reqs, num_tokens, strict=True) for pos in range(req.kv_len - num, req.kv_len)]
+    table = req_to_token_pool.req_to_token
+    if not rows:
+        return torch.empty(0, dtype=torch.int64, device=table.device)
+    index = torch.tensor([rows, positions], dtype=torch.int64).to(table.device, non_blocking=True)
+    slots = table[index[0], index[1]].to(torch.int64)  # a copy: the entries are zeroed below
+    allocator.free(slots)  # the full slots and the SWA slots they map to
+    table[index[0], index[1]] = 0
+    for req, num in zip(reqs, num_tokens, strict=True):
+        req.kv_len -= num
+    return slots
+
+
+def _check(req: Req, num_tokens: int, window: int) -> None:
     if req.req_pool_idx is None:
         raise ValueError(f"request {req.rid} holds no KV")
     prefix_len = req.prefix.prefix_len if req.prefix is not None else 0
@@ -47,9 +72,3 @@ def give_back_kv(
             f"request {req.rid}: positions {first_read}..{req.swa_freed_upto - 1} have no sliding-window KV "
             f"left, and the query at position {new_len} would read them"
         )
-    row = req_to_token_pool.req_to_token[req.req_pool_idx]
-    slots = row[new_len : req.kv_len].to(torch.int64)  # a copy: the row's entries are zeroed below
-    allocator.free(slots)  # the full slots and the SWA slots they map to
-    row[new_len : req.kv_len] = 0
-    req.kv_len = new_len
-    return slots

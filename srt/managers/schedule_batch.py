@@ -127,7 +127,7 @@ class ScheduleBatch:
             if item.sample:
                 logits_rows.extend(range(start + known - 1, start + item.num_tokens))
             start += item.num_tokens
-        return ForwardBatch.build(
+        batch = ForwardBatch.build(
             mode=self.mode,
             new_token_ids=new_tokens if input_ids is None else input_ids,
             prefix_lens=prefix_lens,
@@ -137,6 +137,9 @@ class ScheduleBatch:
             req_to_token_pool=req_to_token_pool,
             kv_pool=kv_pool,
         )
+        # a verify step (decode rows, some with drafts): a few rows per request, each attending alone
+        batch.attend_row_by_row = all(item.decode for item in self.items) and any(i.num_drafts for i in self.items)
+        return batch
 
 
 def fill_drafts(forward_batch: ForwardBatch, items: list[ScheduledReq], drafts: torch.Tensor) -> None:

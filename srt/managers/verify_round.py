@@ -23,7 +23,7 @@ import torch
 
 from srt.forward.host_device import DeviceToHost
 from srt.managers.io_struct import TokenLogprob
-from srt.managers.kv_rollback import give_back_kv
+from srt.managers.kv_rollback import give_back_kv_of
 from srt.managers.request_output import finish_check
 from srt.managers.schedule_batch import Req
 from srt.mem_cache.allocator import SWATokenAllocator
@@ -123,6 +123,7 @@ class VerifyRound:
         num_accepted, tokens = next(copies), next(copies)
         logprobs = next(copies) if self.has_logprobs else None
         top_ids, top_values = (next(copies), next(copies)) if self.top_logprobs_num else (None, None)
+        given_back = []
         for i, req in enumerate(self.reqs):
             kept = 0
             for j in range(num_accepted[i] + 1):
@@ -135,9 +136,10 @@ class VerifyRound:
                 req.finished_reason = finish_check(req, eos_ids, context_len)
                 if req.finished:
                     break
-            give_back_kv(req, self.num_drafts[i] + 1 - kept, req_to_token_pool, allocator, window)
+            given_back.append(self.num_drafts[i] + 1 - kept)
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += kept - 1
+        give_back_kv_of(self.reqs, given_back, req_to_token_pool, allocator, window)
         return num_accepted
 
 

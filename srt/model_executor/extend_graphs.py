@@ -54,8 +54,11 @@ class ExtendGraphs:
         max_requests: int,
         use_graphs: bool,
         pool: tuple | None = None,
+        attend_row_by_row: bool = False,
     ) -> None:
+        """`attend_row_by_row`: attention runs each token alone (speculative verify steps: `ForwardBatch`)."""
         self.model, self.backend = model, backend
+        self.attend_row_by_row = attend_row_by_row
         self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
         self.max_requests = max_requests
         self.use_graphs = use_graphs
@@ -146,6 +149,7 @@ class ExtendGraphs:
             logits_rows_cpu=host["logits_rows"],
             # laid out here, padded: never "every row in order", even with as many logits rows as tokens
             logits_subset=logits_batch,
+            attend_row_by_row=self.attend_row_by_row,
         )
         out = self.model(batch, self.backend)
         logits = self.logits_out[:rows]

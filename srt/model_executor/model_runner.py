@@ -138,7 +138,7 @@ class ModelRunner:
             # verify steps of up to max_bs requests, every token a logits row (R = tokens)
             self.verify_graphs = ExtendGraphs(
                 self.model, self.attn_backend, *pools, [rows * size for size in batch_sizes], rows * max_bs,
-                use_graphs, pool,
+                use_graphs, pool, attend_row_by_row=True,
             )  # fmt: skip
         text_model = self.model.model
         if text_model.yoco_layer is not None:

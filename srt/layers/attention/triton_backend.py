@@ -4,9 +4,12 @@ Same semantics as `torch_native`: each query row sees its request's KV positions
 (and, on sliding layers, no further back than window - 1); sliding layers read the SWA pool through
 `full_to_swa`; KV-shared layers read their owner's buffers. Two kernels:
 
-- decode (`kernels/attention/decode.py`): one row per request, split-KV with a combine pass. Used for
-  DECODE batches (row i = request i; nothing is read back to the host, so it can run under CUDA graphs) and
-  for extend batches whose requests have at most one row each (e.g. YOCO's last-row subsets).
+- decode (`kernels/attention/decode.py`): one query row at a time, split-KV with a combine pass. Used for
+  DECODE batches (row i = request i; nothing is read back to the host, so it can run under CUDA graphs), for
+  extend batches whose requests have at most one row each (e.g. YOCO's last-row subsets), and for batches
+  marked `attend_row_by_row` (speculative verify steps: a few rows per request over a long prefix, where the
+  extend kernel would give each request's tile a single program walking the whole prefix). Each row then
+  reads its own request's KV up to its own position (the step stored every new token's KV first).
 - extend (`kernels/attention/extend.py`): tiles of rows per request, for everything else.
 
 Per-forward metadata is a handful of device tensors made once in `init_forward_metadata` (plus tile tables
@@ -61,6 +64,15 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged-KV attention with Triton kernels; the default on CUDA devices."""
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        if batch.attend_row_by_row:
+            rows = batch.req_pool_indices.repeat_interleave(batch.extend_seq_lens, output_size=batch.num_tokens)
+            batch.attn_metadata = TritonAttentionMetadata(
+                use_decode_kernel=True,
+                positions=batch.positions,
+                row_pool_indices=rows,
+                row_seq_lens=batch.positions + 1,  # keys 0 .. its position
+            )
+            return
         if batch.mode.is_decode() and batch.positions.shape[0] == batch.seq_lens.shape[0]:
             # one row per request, in request order: the batch's tensors are the per-row arrays already
             batch.attn_metadata = TritonAttentionMetadata(
