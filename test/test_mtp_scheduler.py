@@ -23,6 +23,7 @@ from srt.managers.inprocess import run_to_completion
 from srt.managers.io_struct import TokenizedGenerateReq
 from srt.managers.scheduler import Scheduler
 from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
 from srt.speculative.frozen_kv_mtp import DraftRequests
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -272,11 +273,13 @@ def test_captured_draft_and_verify_steps_keep_greedy_outputs(tiny_checkpoint, va
     the greedy outputs of the target alone."""
     ids = prompts(5, seed=41, low=10, high=60)
     requests = [greedy(str(i), p, max_new_tokens=20) for i, p in enumerate(ids)]
-    common = dict(device="cuda", dtype="float32", max_running_requests=8, max_total_tokens=4096)
-    plain = make_scheduler(tiny_checkpoint(f"tiny-gemma-4-{variant}-it"), **common)
+    target = str(tiny_checkpoint(f"tiny-gemma-4-{variant}-it"))
+    common = dict(model_path=target, device="cuda", dtype="float32", max_running_requests=8, max_total_tokens=4096)
+    plain = Scheduler(ServerArgs(**common))
     expected = {r.rid: run_to_completion(plain, [r])[r.rid].output_ids for r in requests}
     del plain
-    scheduler = mtp_scheduler(tiny_checkpoint, variant, **common)
+    assistant = str(tiny_checkpoint(f"tiny-gemma-4-{variant}-it-assistant"))
+    scheduler = Scheduler(ServerArgs(**common, speculative_draft_model_path=assistant, speculative_num_steps=K))
     runner = scheduler.runner
     assert runner.draft_graphs.steps.use_graphs and runner.verify_graphs.steps.use_graphs
     verify_tokens: list[int] = []
