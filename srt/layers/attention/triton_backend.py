@@ -65,7 +65,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         if batch.attend_row_by_row:
-            rows = batch.req_pool_indices.repeat_interleave(batch.extend_seq_lens, output_size=batch.num_tokens)
+            # each token's request: the first whose cumulative token count passes it (a search, not
+            # repeat_interleave, which asserts the counts sum to the tokens: a graph is captured on padding)
+            ends = batch.extend_seq_lens.cumsum(0)
+            tokens = torch.arange(batch.num_tokens, device=ends.device)
+            owner = torch.searchsorted(ends, tokens, right=True).clamp_(max=len(ends) - 1)
+            rows = batch.req_pool_indices[owner]
             batch.attn_metadata = TritonAttentionMetadata(
                 use_decode_kernel=True,
                 positions=batch.positions,
