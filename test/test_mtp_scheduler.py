@@ -56,7 +56,7 @@ def knowing_drafter(scheduler: Scheduler, continuations: dict[str, list[int]], v
             right = (len(req.rid) * 7 + kv_len) % (K + 1)
             right_counts.append(right)
             rows.append(known[:right] + [(t + 1) % vocab_size for t in known[right:]])
-        return torch.tensor(rows, dtype=torch.int64)
+        return torch.tensor(rows, dtype=torch.int64, device=scheduler.runner.device)
 
     scheduler.runner.draft = draft
     return right_counts
