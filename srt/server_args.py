@@ -119,6 +119,10 @@ class ServerArgs:
         10.0, "Seconds between status log lines (requests, KV usage, throughput) while busy; 0: never."
     )
     log_level: str = _arg("info", "Log level of every serving process.", LOG_LEVELS)
+    max_request_body_mb: float = _arg(
+        64.0,
+        "Largest HTTP request body accepted, in MiB; a larger one gets HTTP 413 before it is read to the end.",
+    )
 
     def __post_init__(self) -> None:
         if self.speculative_draft_model_path and self.speculative_algorithm is None:
@@ -149,6 +153,8 @@ class ServerArgs:
             raise ValueError(f"cuda_graph_max_tokens must be >= 0; got {self.cuda_graph_max_tokens}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535]; got {self.port}")
+        if self.max_request_body_mb <= 0:
+            raise ValueError(f"max_request_body_mb must be > 0; got {self.max_request_body_mb}")
         if self.log_interval < 0:
             raise ValueError(f"log_interval must be >= 0; got {self.log_interval}")
         if self.speculative_algorithm and not self.speculative_draft_model_path:

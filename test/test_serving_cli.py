@@ -82,6 +82,9 @@ def test_generate_request_split():
         (3, "b", 6),
     ]
     assert "n" not in singles[0].sampling_params and obj.returns_list()
+    # the samples' seeds stay in the generator's range: seed + j wraps modulo 2**64
+    last = GenerateReqInput(text="a", sampling_params={"n": 2, "seed": 2**64 - 1}).expand()
+    assert [s.sampling_params["seed"] for s in last] == [2**64 - 1, 0]
     assert not GenerateReqInput(input_ids=[1, 2]).returns_list()
     per_prompt = GenerateReqInput(input_ids=[[1], [2, 3]], return_logprob=[True, False], logprob_start_len=[0, -1])
     assert [(s.return_logprob, s.logprob_start_len) for s in per_prompt.expand()] == [(True, 0), (False, None)]
@@ -99,6 +102,8 @@ def test_generate_request_split():
         ({"text": "a", "sampling_params": 5}, "sampling_params must be an object"),
         ({"text": "a", "sampling_params": [{}]}, "sampling_params must be an object"),
         ({"text": "a", "sampling_params": {"n": 0}}, "n must be"),
+        ({"text": "a", "sampling_params": {"n": 44801913727}}, "n must be at most 128"),  # froze the server once
+        ({"text": ["a"] * 3, "sampling_params": [{}, {}, {"n": 129}]}, "n must be at most 128"),
         ({"text": "a", "rid": ["x"]}, "rid must be a string"),
         ({"text": "a", "return_logprob": "yes"}, "return_logprob"),
         ({"text": "a", "top_logprobs_num": -2}, "top_logprobs_num"),
