@@ -108,6 +108,8 @@ def test_generate_request_split():
         ({"text": "a", "return_logprob": "yes"}, "return_logprob"),
         ({"text": "a", "top_logprobs_num": -2}, "top_logprobs_num"),
         ({"text": "a", "stream": 1}, "stream"),
+        ({"text": "a", "add_special_tokens": None}, "add_special_tokens"),  # a 500 the fuzzer found
+        ({"text": "a", "return_text_in_logprobs": "yes"}, "return_text_in_logprobs"),
     ],
 )
 def test_generate_request_errors_name_the_field(kwargs, field):

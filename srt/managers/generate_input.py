@@ -69,7 +69,7 @@ class GenerateReqInput:
 
     def expand(self) -> list[SingleReq]:
         """One SingleReq per output; ValueError naming the first malformed field."""
-        for name in ("stream", "return_emit_ts"):
+        for name in ("stream", "return_emit_ts", "add_special_tokens", "return_text_in_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         num = self.num_prompts()
