@@ -179,7 +179,7 @@ class ServerArgs:
                 type=kind,
                 default=f.default,
                 choices=f.metadata.get("choices"),
-                help=f"{f.metadata['help']} (default: {f.default})",
+                help=_help_with_default(f),
             )
 
     @classmethod
@@ -198,6 +198,12 @@ def _speculative_algorithm_of(draft_model_path: str) -> str:
             f"srt drafts with Gemma 4 assistants ({ASSISTANT_MODEL_TYPE}, FROZEN_KV_MTP)"
         )
     return "FROZEN_KV_MTP"
+
+
+def _help_with_default(f: dataclasses.Field) -> str:
+    """The field's help, with its default appended unless the help already explains it."""
+    text = f.metadata["help"]
+    return text if "default" in text.lower() else f"{text} (default: {f.default})"
 
 
 def _cli_type(f: dataclasses.Field) -> type:

@@ -26,8 +26,10 @@ def test_every_server_arg_is_a_flag_with_help():
     for field in dataclasses.fields(ServerArgs):
         assert field.name in actions and actions[field.name].help, field.name
     assert "--model" in actions["model_path"].option_strings
-    for serving in ("host", "port", "served_model_name", "log_interval"):
+    for serving in ("host", "port", "served_model_name", "log_interval", "max_request_body_mb"):
         assert serving in actions
+    for action in actions.values():  # each default said once (#29: several flags printed theirs twice)
+        assert (action.help or "").lower().count("default") <= 1, action.help
 
 
 def test_model_alias_and_preset_with_dummy_weights():
@@ -148,3 +150,26 @@ def test_dummy_preset_tokenizer_templates_as_its_checkpoint(tiny_checkpoint, pre
     messages = [{"role": "user", "content": "hi"}]
     prompts = [t.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) for t in (served, saved)]
     assert prompts[0] == prompts[1]
+
+
+def test_ready_banner_says_when_weights_are_random():
+    from srt.entrypoints.ready_banner import examples
+
+    assert "gibberish" in examples("http://h:1", "m", random_weights=True)
+    assert "gibberish" not in examples("http://h:1", "m")
+
+
+def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # a preset that would take a while to load: the check must come first
+        args = ["--model", "gemma-4-E4B-it", "--load-format", "dummy", "--device", "cpu", "--port", str(port)]
+        done = subprocess.run([sys.executable, "-m", "srt.launch_server", *args], capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "process ready" not in done.stderr

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -176,8 +177,21 @@ def _sse(stream: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+def check_port_free(host: str, port: int) -> None:
+    """RuntimeError if HTTP could not listen on host:port: said before the model loads (minutes), not after."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            sock.bind((host, port))
+        except OSError as error:
+            raise RuntimeError(
+                f"cannot listen on {host}:{port}: {error.strerror} (another server there? pick another --port)"
+            ) from None
+
+
 def launch_server(server_args: ServerArgs) -> None:
     """Start the processes, serve HTTP until SIGTERM / SIGINT, then stop every child."""
+    check_port_free(server_args.host, server_args.port)
     processes: ServingProcesses = launch_processes(server_args)
     try:
         tokenizer = load_tokenizer(server_args)
