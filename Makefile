@@ -39,6 +39,6 @@ serve: $(STAMP) $(SERVE_MODEL)/config.json
 	@$(PY) -m srt.launch_server --model $(SERVE_MODEL) --served-model-name tiny-gemma-4-E4B-it \
 		--host $(HOST) --port $(PORT) --context-length 4096 $(SERVE_ARGS) & pid=$$!; \
 	trap 'kill -TERM $$pid 2>/dev/null; wait $$pid; exit 0' INT TERM; \
-	$(PY) -m srt.entrypoints.ready_banner --url http://$(HOST):$(PORT) --model tiny-gemma-4-E4B-it --pid $$pid \
+	$(PY) -m srt.entrypoints.ready_banner --url http://$(HOST):$(PORT) --model tiny-gemma-4-E4B-it --pid $$pid --random-weights \
 		|| { kill -TERM $$pid 2>/dev/null; wait $$pid; exit 1; }; \
 	wait $$pid

@@ -119,6 +119,10 @@ class ServerArgs:
         10.0, "Seconds between status log lines (requests, KV usage, throughput) while busy; 0: never."
     )
     log_level: str = _arg("info", "Log level of every serving process.", LOG_LEVELS)
+    max_request_body_mb: float = _arg(
+        64.0,
+        "Largest HTTP request body accepted, in MiB; a larger one gets HTTP 413 before it is read to the end.",
+    )
 
     def __post_init__(self) -> None:
         if self.speculative_draft_model_path and self.speculative_algorithm is None:
@@ -149,6 +153,8 @@ class ServerArgs:
             raise ValueError(f"cuda_graph_max_tokens must be >= 0; got {self.cuda_graph_max_tokens}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in [0, 65535]; got {self.port}")
+        if self.max_request_body_mb <= 0:
+            raise ValueError(f"max_request_body_mb must be > 0; got {self.max_request_body_mb}")
         if self.log_interval < 0:
             raise ValueError(f"log_interval must be >= 0; got {self.log_interval}")
         if self.speculative_algorithm and not self.speculative_draft_model_path:
@@ -173,7 +179,7 @@ class ServerArgs:
                 type=kind,
                 default=f.default,
                 choices=f.metadata.get("choices"),
-                help=f"{f.metadata['help']} (default: {f.default})",
+                help=_help_with_default(f),
             )
 
     @classmethod
@@ -192,6 +198,12 @@ def _speculative_algorithm_of(draft_model_path: str) -> str:
             f"srt drafts with Gemma 4 assistants ({ASSISTANT_MODEL_TYPE}, FROZEN_KV_MTP)"
         )
     return "FROZEN_KV_MTP"
+
+
+def _help_with_default(f: dataclasses.Field) -> str:
+    """The field's help, with its default appended unless the help already explains it."""
+    text = f.metadata["help"]
+    return text if "default" in text.lower() else f"{text} (default: {f.default})"
 
 
 def _cli_type(f: dataclasses.Field) -> type:

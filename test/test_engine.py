@@ -112,11 +112,17 @@ def test_logprobs_and_input_ids(engine, expected):
         ({"input_ids": [1, 10**6]}, "input_ids"),
         ({"prompt": "hi", "input_ids": [1]}, "input_ids"),
         ({"prompt": "hi", "top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"prompt": "hi", "sampling_params": {"seed": 2**64}}, "seed must be in"),
+        ({"prompt": "hi", "sampling_params": {"seed": 2**64}, "stream": True}, "seed must be in"),
+        ({"prompt": "hi", "sampling_params": {"n": 10**12}}, "n must be at most"),
+        ({"prompt": "a\ud800b"}, "text must be valid Unicode: the prompt"),
+        ({"prompt": ""}, "text must not be empty"),
+        ({"prompt": "hi", "sampling_params": {"temperature": float("inf")}}, "temperature must be a finite"),
     ],
 )
 def test_bad_input_raises_value_error_naming_the_field(engine, kwargs, field):
     with pytest.raises(ValueError, match=field):
-        engine.generate(**kwargs)
+        engine.generate(**kwargs)  # raises before anything runs, also with stream=True
 
 
 def test_server_info_is_idle_after_requests(engine):

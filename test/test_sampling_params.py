@@ -48,6 +48,10 @@ def test_greedy_and_effective_top_k() -> None:
         dict(repetition_penalty=0.5),
         dict(stop_token_ids=[0, 9]),
         dict(seed=0),
+        dict(seed=-(2**63)),
+        dict(seed=2**64 - 1),
+        dict(repetition_penalty=0.01),
+        dict(repetition_penalty=2.0),
         dict(temperature=2),  # an int is a fine number
     ],
 )
@@ -60,7 +64,9 @@ def test_valid_edges_pass(kwargs: dict) -> None:
     [
         (dict(temperature=-1), "temperature must be >= 0, got -1"),
         (dict(temperature="0.5"), "temperature must be a number"),
-        (dict(temperature=math.nan), "temperature must be a number"),
+        (dict(temperature=math.nan), "temperature must be a finite number"),
+        (dict(temperature=math.inf), "temperature must be a finite number"),
+        (dict(top_p=-math.inf), "top_p must be a finite number"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(top_k=0), "top_k"),
@@ -73,6 +79,8 @@ def test_valid_edges_pass(kwargs: dict) -> None:
         (dict(min_new_tokens=-1), "min_new_tokens"),
         (dict(max_new_tokens=4, min_new_tokens=5), "min_new_tokens"),
         (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(repetition_penalty=1e-300), "repetition_penalty must be in [0.01, 2.0]"),
+        (dict(repetition_penalty=2.5), "repetition_penalty must be in [0.01, 2.0]"),
         (dict(frequency_penalty=2.5), "frequency_penalty"),
         (dict(presence_penalty=-2.5), "presence_penalty"),
         (dict(stop_token_ids=[3, 10]), "stop_token_ids must be < vocab_size=10, got 10"),
@@ -81,6 +89,8 @@ def test_valid_edges_pass(kwargs: dict) -> None:
         (dict(stop=[1]), "stop"),
         (dict(n=0), "n must be >= 1"),
         (dict(seed="7"), "seed"),
+        (dict(seed=2**64), "seed must be in [-2**63, 2**64 - 1]"),
+        (dict(seed=-(2**63) - 1), "seed must be in [-2**63, 2**64 - 1]"),
         (dict(ignore_eos="yes"), "ignore_eos"),
     ],
 )

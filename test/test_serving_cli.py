@@ -26,8 +26,10 @@ def test_every_server_arg_is_a_flag_with_help():
     for field in dataclasses.fields(ServerArgs):
         assert field.name in actions and actions[field.name].help, field.name
     assert "--model" in actions["model_path"].option_strings
-    for serving in ("host", "port", "served_model_name", "log_interval"):
+    for serving in ("host", "port", "served_model_name", "log_interval", "max_request_body_mb"):
         assert serving in actions
+    for action in actions.values():  # each default said once (#29: several flags printed theirs twice)
+        assert (action.help or "").lower().count("default") <= 1, action.help
 
 
 def test_model_alias_and_preset_with_dummy_weights():
@@ -82,6 +84,9 @@ def test_generate_request_split():
         (3, "b", 6),
     ]
     assert "n" not in singles[0].sampling_params and obj.returns_list()
+    # the samples' seeds stay in the generator's range: seed + j wraps modulo 2**64
+    last = GenerateReqInput(text="a", sampling_params={"n": 2, "seed": 2**64 - 1}).expand()
+    assert [s.sampling_params["seed"] for s in last] == [2**64 - 1, 0]
     assert not GenerateReqInput(input_ids=[1, 2]).returns_list()
     per_prompt = GenerateReqInput(input_ids=[[1], [2, 3]], return_logprob=[True, False], logprob_start_len=[0, -1])
     assert [(s.return_logprob, s.logprob_start_len) for s in per_prompt.expand()] == [(True, 0), (False, None)]
@@ -99,10 +104,14 @@ def test_generate_request_split():
         ({"text": "a", "sampling_params": 5}, "sampling_params must be an object"),
         ({"text": "a", "sampling_params": [{}]}, "sampling_params must be an object"),
         ({"text": "a", "sampling_params": {"n": 0}}, "n must be"),
+        ({"text": "a", "sampling_params": {"n": 44801913727}}, "n must be at most 128"),  # froze the server once
+        ({"text": ["a"] * 3, "sampling_params": [{}, {}, {"n": 129}]}, "n must be at most 128"),
         ({"text": "a", "rid": ["x"]}, "rid must be a string"),
         ({"text": "a", "return_logprob": "yes"}, "return_logprob"),
         ({"text": "a", "top_logprobs_num": -2}, "top_logprobs_num"),
         ({"text": "a", "stream": 1}, "stream"),
+        ({"text": "a", "add_special_tokens": None}, "add_special_tokens"),  # a 500 the fuzzer found
+        ({"text": "a", "return_text_in_logprobs": "yes"}, "return_text_in_logprobs"),
     ],
 )
 def test_generate_request_errors_name_the_field(kwargs, field):
@@ -141,3 +150,26 @@ def test_dummy_preset_tokenizer_templates_as_its_checkpoint(tiny_checkpoint, pre
     messages = [{"role": "user", "content": "hi"}]
     prompts = [t.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) for t in (served, saved)]
     assert prompts[0] == prompts[1]
+
+
+def test_ready_banner_says_when_weights_are_random():
+    from srt.entrypoints.ready_banner import examples
+
+    assert "gibberish" in examples("http://h:1", "m", random_weights=True)
+    assert "gibberish" not in examples("http://h:1", "m")
+
+
+def test_a_port_in_use_is_reported_before_the_model_loads(tmp_path):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # a preset that would take a while to load: the check must come first
+        args = ["--model", "gemma-4-E4B-it", "--load-format", "dummy", "--device", "cpu", "--port", str(port)]
+        done = subprocess.run([sys.executable, "-m", "srt.launch_server", *args], capture_output=True, text=True)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "process ready" not in done.stderr

@@ -97,14 +97,14 @@ def test_completion_logprobs_and_echo(client, name, tokenizer, reference):
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert chosen <= 0 and 3 <= len(top) <= 4 and math.isclose(max(top.values()), chosen)  # greedy: the top
 
-    # lm-eval's loglikelihood: score the prompt itself, generate nothing
+    # lm-eval's loglikelihood: score the prompt itself, generate nothing; the <bos> the server adds is not echoed
     ids = tokenizer.encode(prompt)
     echo = client.completions.create(model=name, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
     choice = echo.choices[0]
     assert choice.text == prompt and echo.usage.completion_tokens == 0
-    assert len(choice.logprobs.token_logprobs) == len(ids) and choice.logprobs.token_logprobs[0] is None
+    assert len(choice.logprobs.token_logprobs) == len(ids) - 1
     want = prompt_logprobs_reference(reference, ids, 1)
-    got = choice.logprobs.token_logprobs[1:]
+    got = choice.logprobs.token_logprobs
     assert got == pytest.approx([entry.logprob for entry in want[1:]], abs=1e-4)
 
 

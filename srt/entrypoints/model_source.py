@@ -43,7 +43,7 @@ def resolve_model_path(model: str, load_format: str = "auto") -> str:
         f"cannot find model {model!r}. Looked for: a directory {path.resolve()} (does not exist); "
         f"{' and '.join(repr(c) for c in _candidates(model))} in the Hugging Face cache {_hf_cache_dir()} "
         f"(not there; downloads are never attempted); a built-in preset (known: {', '.join(presets.preset_names())}). "
-        "Pass a checkpoint directory, download the model first (`huggingface-cli download google/gemma-4-E4B-it`), "
+        "Pass a checkpoint directory, download the model first (`hf download google/gemma-4-E4B-it`), "
         "or serve a preset with random weights (`--model tiny-gemma-4-E4B-it --load-format dummy`)."
     )
 

@@ -1,6 +1,6 @@
 """Wait until a server answers /health, then print copy-paste examples (`make serve` uses this).
 
-python -m srt.entrypoints.ready_banner --url http://127.0.0.1:30000 --model NAME [--pid PID]
+python -m srt.entrypoints.ready_banner --url http://127.0.0.1:30000 --model NAME [--pid PID] [--random-weights]
 """
 
 from __future__ import annotations
@@ -38,10 +38,18 @@ def _running(pid: int) -> bool:
     return True
 
 
-def examples(url: str, model: str) -> str:
+RANDOM_WEIGHTS_NOTE = """
+Its weights are random (a tiny test checkpoint or --load-format dummy): it answers with gibberish. That is
+expected; serve a real checkpoint (launch_server --model DIR) for real text.
+"""
+
+
+def examples(url: str, model: str, random_weights: bool = False) -> str:
+    """The banner: where srt serves, copy-paste requests, and a word on gibberish if the weights are random."""
     body = f'{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}], "max_tokens": 16}}'
+    note = RANDOM_WEIGHTS_NOTE if random_weights else ""
     return f"""
-srt is serving {model} on {url}. Try:
+srt is serving {model} on {url}.{note} Try:
 
   curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{body}'
@@ -59,10 +67,11 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--pid", type=int, help="give up if this process (the server) exits first")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--random-weights", action="store_true", help="say that the model's output is gibberish")
     args = parser.parse_args()
     if not wait_ready(args.url, args.pid, args.timeout):
         sys.exit(f"the server at {args.url} did not become ready")
-    print(examples(args.url, args.model), flush=True)
+    print(examples(args.url, args.model, args.random_weights), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+# Most samples of one prompt (SGLang and vLLM bound n too). Checked before the request is split, so a huge n
+# costs nothing: an unbounded one once froze the HTTP process while it built billions of requests.
+MAX_N = 128
+SEED_SPAN = 2**64  # a seeded request's n samples use seed, seed + 1, ... modulo this (the generator's range)
+
 
 @dataclass
 class GenerateReqInput:
@@ -64,7 +69,7 @@ class GenerateReqInput:
 
     def expand(self) -> list[SingleReq]:
         """One SingleReq per output; ValueError naming the first malformed field."""
-        for name in ("stream", "return_emit_ts"):
+        for name in ("stream", "return_emit_ts", "add_special_tokens", "return_text_in_logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         num = self.num_prompts()
@@ -73,13 +78,14 @@ class GenerateReqInput:
         start = _per_prompt("logprob_start_len", self.logprob_start_len, num, self.is_batch)
         top = _per_prompt("top_logprobs_num", self.top_logprobs_num, num, self.is_batch)
         rids = _per_prompt("rid", self.rid, num, self.is_batch)
-        singles = []
-        for i in range(num):
+        for i in range(num):  # every n first: nothing is built for a request that asks for too many
             if not isinstance(params[i] or {}, dict):
                 raise ValueError(f"sampling_params must be an object, got {params[i]!r}")
+            _check_int("n", (params[i] or {}).get("n", 1), low=1, high=MAX_N)
+        singles = []
+        for i in range(num):
             sampling = dict(params[i] or {})
             n = sampling.pop("n", 1)
-            _check_int("n", n, low=1)
             if not isinstance(return_logprob[i], bool):
                 raise ValueError(f"return_logprob must be a bool, got {return_logprob[i]!r}")
             _check_int("top_logprobs_num", top[i], low=0)
@@ -90,8 +96,9 @@ class GenerateReqInput:
             base_rid = rids[i] or uuid.uuid4().hex
             for j in range(n):
                 sample = dict(sampling)
-                if j and sample.get("seed") is not None:
-                    sample["seed"] = sample["seed"] + j  # n samples of one seeded request differ, reproducibly
+                if j and isinstance(sample.get("seed"), numbers.Integral):
+                    # n samples of one seeded request differ, reproducibly; the seed itself is checked later
+                    sample["seed"] = (sample["seed"] + j) % SEED_SPAN
                 singles.append(
                     SingleReq(
                         index=len(singles),
@@ -155,6 +162,8 @@ def _check_ids(ids: object) -> None:
             raise ValueError(f"input_ids must hold ints, got {tok!r}")
 
 
-def _check_int(name: str, value: object, low: int) -> None:
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be at most {high}, got {value}")

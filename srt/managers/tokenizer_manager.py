@@ -40,6 +40,18 @@ from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+
+def check_text(text: str) -> None:
+    """ValueError naming `text` for an empty prompt or one that is not valid Unicode (a lone surrogate)."""
+    if not text:
+        raise ValueError("text must not be empty (the prompt has no characters)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"text must be valid Unicode: the prompt holds a lone surrogate at character {error.start}"
+        ) from None
+
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a /generate request names none
 DISCONNECT_CHECK_S = 0.25  # how often a non-streaming request checks whether its client is still there
 
@@ -86,6 +98,9 @@ class TokenizerManager:
         self.info = info
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)
+        self.bos_text = tokenizer.bos_token or ""
+        # a generous bound on characters per token: the longest vocabulary piece, twice over (normalizers)
+        self.max_token_chars = 2 * max(map(len, tokenizer.get_vocab()), default=1)
         self.model_name = server_args.served_model_name or server_args.model_path
         self.metrics = ServerMetrics(self.model_name)
         self.check_children = check_children
@@ -114,13 +129,28 @@ class TokenizerManager:
         self._send.close()
 
     # ---- requests ------------------------------------------------------------------------------------
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`text`'s token ids, as every request and /tokenize see them; ValueError naming `text`.
+
+        A text that already starts with `<bos>` keeps that one (the tokenizer would add a second). The length
+        is checked before tokenizing too: no longer than the context at `max_token_chars` per token, so a
+        prompt that cannot fit is refused without minutes of tokenizer work.
+        """
+        check_text(text)
+        limit = min(self.info.context_len, self.info.max_total_tokens)
+        if len(text) > limit * self.max_token_chars:
+            raise ValueError(f"text is too long: {len(text)} characters cannot fit in {limit} tokens")
+        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        bos = self.tokenizer.bos_token_id
+        if add_special_tokens and bos is not None and ids[:2] == [bos, bos] and text.startswith(self.bos_text):
+            ids = ids[1:]
+        return ids
+
     def tokenize(self, single: SingleReq, add_special_tokens: bool = True) -> TokenizedGenerateReq:
         """Tokenize and check one request; ValueError naming the bad field."""
         ids = single.input_ids
         if ids is None:
-            ids = self.tokenizer.encode(single.text, add_special_tokens=add_special_tokens)
-            if not ids:
-                raise ValueError("text must not be empty")
+            ids = self.encode_text(single.text, add_special_tokens)
         vocab, context = self.info.vocab_size, self.info.context_len
         if any(not 0 <= tok < vocab for tok in ids):
             raise ValueError(f"input_ids must be token ids in [0, {vocab})")
@@ -161,7 +191,8 @@ class TokenizerManager:
         singles = obj.expand()
         requests = [self.tokenize(single, obj.add_special_tokens) for single in singles]
         rids = {req.rid for req in requests}
-        if len(rids) != len(requests) or not rids.isdisjoint(self.states):
+        # membership tests, not iteration: the HTTP server prepares on a worker thread while the loop edits states
+        if len(rids) != len(requests) or any(rid in self.states for rid in rids):
             raise ValueError("rid must be unique among running requests")
         return requests
 

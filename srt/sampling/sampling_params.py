@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Any
@@ -10,6 +11,10 @@ from typing import Any
 # Below this a temperature is treated as 0: dividing logits by it would overflow float32 (SGLang uses 1e-6 too).
 GREEDY_TEMPERATURE_EPS = 1e-6
 PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's documented range of frequency_penalty and presence_penalty
+# SGLang documents [0, 2]; below 0.01 a softcapped logit (|x| <= 30) divided by the penalty leaves float32's range
+# in the sampler's later passes (1e-300 made every probability NaN and sampled token 0).
+REPETITION_PENALTY_RANGE = (0.01, 2.0)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass
@@ -70,6 +75,8 @@ class SamplingParams:
             _check_int(name, getattr(self, name))
         if self.seed is not None:
             _check_int("seed", self.seed)
+            if not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+                raise ValueError(f"seed must be in [-2**63, 2**64 - 1], got {self.seed}")
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             _check_real(name, getattr(self, name))
         for name in ("ignore_eos", "skip_special_tokens"):
@@ -90,8 +97,9 @@ class SamplingParams:
             raise ValueError(
                 f"min_new_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_new_tokens}"
             )
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not lo <= self.repetition_penalty <= hi:
+            raise ValueError(f"repetition_penalty must be in [{lo}, {hi}], got {self.repetition_penalty}")
         lo, hi = PENALTY_RANGE
         for name in ("frequency_penalty", "presence_penalty"):
             if not lo <= getattr(self, name) <= hi:
@@ -121,5 +129,5 @@ def _check_int(name: str, value: object) -> None:
 def _check_real(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if value != value:  # NaN passes every range comparison below as False, so reject it by name here
-        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not math.isfinite(value):  # NaN passes every range comparison as False; inf passes "> 0" checks
+        raise ValueError(f"{name} must be a finite number, got {value!r}")

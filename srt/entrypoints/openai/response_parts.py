@@ -32,6 +32,8 @@ def openai_error(error: ValueError) -> RequestError:
     message = str(error)
     for internal, public in _OPENAI_NAMES.items():
         message = message.replace(internal, public)
+    if message.startswith("text "):  # /generate's `text` is the OpenAI routes' `prompt`
+        message = "prompt " + message.removeprefix("text ")
     return RequestError(message, param_of(message))
 
 

@@ -1,7 +1,9 @@
 """`POST /v1/completions`: prompts (strings or token ids, one or a batch) -> text, as OpenAI's legacy API.
 
 `echo` with `logprobs` scores the prompt itself (the first token has no logprob: nothing predicts it); with
-`max_tokens: 0` nothing is generated, which is how lm-eval's loglikelihood tasks use the endpoint.
+`max_tokens: 0` nothing is generated, which is how lm-eval's loglikelihood tasks use the endpoint. The echo
+covers the prompt as sent: the `<bos>` the server puts before a text prompt conditions every logprob but is not
+echoed, so position i of the echo is token i of the client's own tokenization (lm-eval slices by it).
 """
 
 from __future__ import annotations
@@ -96,10 +98,11 @@ class CompletionRun:
             text = (prompt if isinstance(prompt, str) else self.tm.tokenizer.decode(prompt)) + text
         logprobs = None
         if self.request.logprobs is not None:
+            added = self._added_tokens(index)
             logprobs = completion_logprobs(
                 self.tm.token_texts,
-                meta.get("input_token_logprobs", []) + meta["output_token_logprobs"],
-                meta.get("input_top_logprobs", []) + meta.get("output_top_logprobs", []),
+                meta.get("input_token_logprobs", [])[added:] + meta["output_token_logprobs"],
+                meta.get("input_top_logprobs", [])[added:] + meta.get("output_top_logprobs", []),
                 self.request.logprobs,
             )
         return {
@@ -109,6 +112,14 @@ class CompletionRun:
             "finish_reason": finish_reason(meta),
             "matched_stop": matched_stop(meta),
         }
+
+
+    def _added_tokens(self, index: int) -> int:
+        """1 if the server put a `<bos>` before output `index`'s text prompt (not echoed), else 0."""
+        prompt = self.prompts[index // self.request.n]
+        bos = self.tm.tokenizer.bos_token_id
+        added = isinstance(prompt, str) and not prompt.startswith(self.tm.bos_text)
+        return int(added and bos is not None and self.prepared[index].input_ids[:1] == [bos])
 
 
 def _prompts(prompt: str | list) -> list[str] | list[list[int]]:

@@ -1,0 +1,134 @@
+"""A bounded soak: a few hundred mixed requests from concurrent clients, some cancelled mid-stream and some
+abandoned by client timeouts, and afterwards: no 5xx, every request not abandoned answered, no KV slot in use,
+server memory flat.
+
+Seeded and sized for CI (SRT_SOAK_REQUESTS scales it; issue #29's manual run was 500). The RSS check compares
+the server's processes after a warm-up round with after the whole run: growth beyond RSS_GROWTH_MB would be a
+leak of per-request state (a request that is never forgotten holds its queue, its builder, its logprobs).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from serving_fixtures import PRESET, child_pids, start_server
+
+REQUESTS = int(os.environ.get("SRT_SOAK_REQUESTS", "160"))
+WARM_UP = 40
+CLIENTS = 8
+RSS_GROWTH_MB = 64
+WORDS = "the a city river weather number story time light house green small".split()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    log = tmp_path_factory.mktemp("soak") / "server.log"
+    server = start_server(tiny_checkpoint(PRESET), log, "--served-model-name", "soak", "--max-running-requests", "6")
+    yield server
+    server.stop()
+
+
+def plan(seed: int, count: int) -> list[dict]:
+    """What each request does: route, body, and whether the client cancels or times out."""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(count):
+        prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 120)))
+        tokens = rng.randint(1, 24)
+        sampling = {"temperature": rng.choice([0.0, 0.7, 1.0]), "n": rng.choice([1, 1, 2])}
+        if rng.random() < 0.3:
+            sampling["stop"] = [rng.choice(WORDS)]
+        if rng.random() < 0.2:
+            sampling["seed"] = rng.randint(0, 2**64 - 1)
+        route = rng.choice(["/v1/completions", "/v1/chat/completions", "/generate"])
+        if route == "/generate":
+            params = {"max_new_tokens": tokens, **sampling}
+            params.pop("n") if params["n"] == 1 else None
+            body = {"text": prompt, "sampling_params": params}
+        elif route == "/v1/completions":
+            body = {"model": "soak", "prompt": prompt, "max_tokens": tokens, **sampling}
+        else:
+            messages = [{"role": "user", "content": prompt}]
+            body = {"model": "soak", "messages": messages, "max_tokens": tokens, **sampling}
+        stream = rng.random() < 0.5
+        body["stream"] = stream
+        fate = rng.random()
+        action = "cancel" if stream and fate < 0.4 else "timeout" if fate > 0.95 else "finish"
+        requests.append({"i": i, "route": route, "body": body, "action": action})
+    return requests
+
+
+def send(url: str, request: dict) -> tuple[str, int | None]:
+    """('answered' | 'cancelled' | 'timed_out', HTTP status)."""
+    timeout = httpx.Timeout(120, read=0.05) if request["action"] == "timeout" else httpx.Timeout(120)
+    try:
+        with httpx.stream("POST", url + request["route"], json=request["body"], timeout=timeout) as response:
+            if request["action"] == "cancel" and response.status_code == 200:
+                for n, _ in enumerate(response.iter_lines()):
+                    if n == 2:
+                        return "cancelled", response.status_code  # leaving closes the connection mid-stream
+            text = "".join(response.iter_text())
+            if request["body"]["stream"] and response.status_code == 200:
+                assert text.rstrip().endswith("data: [DONE]"), text[-300:]
+            return "answered", response.status_code
+    except httpx.ReadTimeout:
+        return "timed_out", None
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of the server and its children (the scheduler, the detokenizer)."""
+    total = 0
+    for p in [pid, *child_pids(pid)]:
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total / 1024
+
+
+def run(url: str, requests: list[dict]) -> list[tuple[str, int | None]]:
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        return list(pool.map(lambda r: send(url, r), requests))
+
+
+def wait_idle(url: str, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = httpx.get(f"{url}/server_info", timeout=30).json()
+        idle = info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+        pools = info["pools"].values()
+        if idle and all(p["in_use"] == 0 and p["free"] + p["cached"] == p["total"] for p in pools):
+            return info
+        assert time.monotonic() < deadline, f"not idle after {timeout} s: {info}"
+        time.sleep(0.2)
+
+
+def test_soak_mixed_requests_cancellations_and_timeouts(server):
+    run(server.url, plan(seed=1, count=WARM_UP))  # the allocator, caches and Triton's interpreter warm up
+    wait_idle(server.url)
+    before = rss_mb(server.proc.pid)
+    requests = plan(seed=29, count=REQUESTS)
+    outcomes = run(server.url, requests)
+    info = wait_idle(server.url)
+    after = rss_mb(server.proc.pid)
+
+    statuses = [status for _, status in outcomes if status is not None]
+    assert all(status < 500 for status in statuses), sorted(set(statuses))
+    refused = [(r["body"], s) for r, (_, s) in zip(requests, outcomes) if s not in (None, 200)]
+    assert not refused, refused
+    finished = [r for r, (how, _) in zip(requests, outcomes) if r["action"] == "finish"]
+    assert all(how == "answered" for r, (how, _) in zip(requests, outcomes) if r["action"] == "finish")
+    kinds = {action: sum(r["action"] == action for r in requests) for action in ("finish", "cancel", "timeout")}
+    print(f"soak: {len(requests)} requests {kinds}, {len(finished)} answered; RSS {before:.0f} -> {after:.0f} MB; "
+          f"generated {info['generated_tokens_total']} tokens")  # fmt: skip
+    assert kinds["cancel"] and kinds["timeout"]  # the plan exercises both
+    assert after - before < RSS_GROWTH_MB
+    assert httpx.get(f"{server.url}/health").status_code == 200
