@@ -41,11 +41,13 @@ from srt.managers.request_output import (
 )
 from srt.managers.schedule_batch import Req, ScheduleBatch, ScheduledReq
 from srt.managers.schedule_policy import PrefillBudget, order_waiting
+from srt.managers.tokenizer_loader import load_grammar_vocab
 from srt.mem_cache.base_prefix_cache import PrefixCache
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.swa_radix_cache import SWARadixCache
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.batch_sampler import BatchSampler
+from srt.sampling.grammar import GrammarMatchers
 from srt.sampling.sampler import make_generator
 from srt.server_args import ServerArgs
 
@@ -85,6 +87,8 @@ class Scheduler:
         self._sampler: tuple[list[Req], BatchSampler] | None = None
         self.overlap = not server_args.disable_overlap_schedule
         self._in_flight: _Launched | None = None  # a decode step launched, its tokens not read yet
+        vocab = self.runner.model_config.vocab_size
+        self.grammars = GrammarMatchers(lambda: load_grammar_vocab(server_args, vocab, sorted(self.eos_ids)))
 
     # ---- requests in -----------------------------------------------------------------------------------
     def add_request(self, request: TokenizedGenerateReq) -> None:
@@ -92,7 +96,10 @@ class Scheduler:
         request.check(self.runner.model_config.vocab_size, self.runner.context_len, self.allocator.full_size)
         if any(req.rid == request.rid for req in self.waiting + self.running):
             raise ValueError(f"a request with rid {request.rid!r} is already running")
-        self.waiting.append(Req.from_request(request, self.runner.device))
+        req = Req.from_request(request, self.runner.device)
+        if request.grammar is not None:
+            req.grammar = self.grammars.matcher(request.grammar)
+        self.waiting.append(req)
 
     def abort(self, rid: str) -> ReqOutput | None:
         """Stop a waiting or running request and free everything it holds; None if it is unknown."""
@@ -224,6 +231,8 @@ class Scheduler:
             return None
         if len(reqs) != len(self.running) or any(a is not b for a, b in zip(reqs, self.running, strict=True)):
             return None  # a request was aborted
+        if any(req.grammar is not None for req in reqs):
+            return None  # a grammar's next mask needs the step's tokens on the host
         if not self._make_room(len(reqs)):
             return None  # retraction decides with every token read
         return ScheduleBatch(ForwardMode.DECODE, [ScheduledReq(req, 1, True, decode=True) for req in reqs])
