@@ -29,6 +29,8 @@ import torch
 import xgrammar as xgr
 
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # SamplingParams fields, SGLang's names
+_LENIENT_STRING_CHAR = r"[^\"\\\r\n]"  # one character of a bounded string, in xgrammar's EBNF
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"  # what JSON allows unescaped
 _NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[16:54:37] /project/cpp/x.cc:83: " of C++ errors
 
 
@@ -39,7 +41,9 @@ def _message(error: Exception) -> str:
 def _grammar(kind: str, source: str) -> xgr.Grammar:
     if kind == "json_schema":
         # compact JSON: a model cannot loop on whitespace between tokens (vLLM's json_schema "timeouts")
-        return xgr.Grammar.from_json_schema(source, any_whitespace=False)
+        ebnf = str(xgr.Grammar.from_json_schema(source, any_whitespace=False))
+        # xgrammar 0.2.8 lets control characters into strings with a length bound, which JSON forbids
+        return xgr.Grammar.from_ebnf(ebnf.replace(_LENIENT_STRING_CHAR, _JSON_STRING_CHAR))
     if kind == "regex":
         return xgr.Grammar.from_regex(source)
     if kind == "ebnf":

@@ -130,7 +130,7 @@ class ChatOutputParser:
         drop_tokens: tuple[str, ...] | None,
     ) -> None:
         self.reasoning, self.tools = reasoning, tools
-        self.drop = _token_pattern(drop_tokens) if drop_tokens else None
+        self.drop = (_TokenDropper(drop_tokens), _TokenDropper(drop_tokens)) if drop_tokens else None
         self.num_calls = 0
 
     def feed(self, text: str) -> ChatDelta:
@@ -156,13 +156,34 @@ class ChatOutputParser:
             out.content, out.calls = parsed.content, parsed.calls
         self.num_calls += len(out.calls)
         if self.drop is not None:
-            out.reasoning, out.content = self.drop.sub("", out.reasoning), self.drop.sub("", out.content)
+            out.reasoning = self.drop[0].feed(out.reasoning, finish)
+            out.content = self.drop[1].feed(out.content, finish)
         return out
+
+
+class _TokenDropper:
+    """Removes special tokens' texts from a stream of text; a tail that may be the start of one waits."""
+
+    def __init__(self, tokens: tuple[str, ...]) -> None:
+        self.pattern = _token_pattern(tokens)
+        self.prefixes = _token_prefixes(tokens)
+        self.pending = ""
+
+    def feed(self, text: str, finish: bool) -> str:
+        text = self.pattern.sub("", self.pending + text)
+        keep = 0 if finish else next((k for k in range(min(len(text), 32), 0, -1) if text[-k:] in self.prefixes), 0)
+        self.pending = text[len(text) - keep :]
+        return text[: len(text) - keep]
 
 
 @lru_cache(maxsize=4)
 def _token_pattern(tokens: tuple[str, ...]) -> re.Pattern:
     return re.compile("|".join(re.escape(token) for token in sorted(tokens, key=len, reverse=True)))
+
+
+@lru_cache(maxsize=4)
+def _token_prefixes(tokens: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(token[:k] for token in tokens for k in range(1, len(token)))
 
 
 def parse_reply(parser: ChatOutputParser, text: str) -> ChatDelta:
