@@ -9,15 +9,17 @@ import random
 import jsonschema
 import pytest
 import torch
-from serving_fixtures import PRESET, reference_scheduler
+from serving_fixtures import CONTEXT_LENGTH, PRESET, reference_scheduler
 
 from srt.entrypoints.openai.tool_grammar import tool_call_grammar
 from srt.entrypoints.openai.tool_parser import parse_tool_calls
 from srt.managers.inprocess import run_to_completion
 from srt.managers.io_struct import TokenizedGenerateReq
+from srt.managers.scheduler import Scheduler
 from srt.sampling.batch_sampler import BatchSampler, RequestSampling
 from srt.sampling.grammar import GrammarCompiler, GrammarMatchers, RequestGrammar, check_grammar, tokenizer_info
 from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
 from srt.tools.tokenizer_builder import build_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -148,9 +150,14 @@ def test_tool_call_grammar_gives_calls_that_validate(compiler, matchers, tokeniz
                 jsonschema.validate(arguments, SCHEMA if call.name == "get_weather" else {"const": {}})
 
 
-def test_constrained_and_free_requests_in_one_batch(tiny_checkpoint, compiler, tokenizer):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_constrained_and_free_requests_in_one_batch(tiny_checkpoint, compiler, tokenizer, device):
     """Greedy free requests get the tokens they get alone; the constrained ones beside them match their schema."""
-    scheduler = reference_scheduler(tiny_checkpoint(PRESET))
+    model = tiny_checkpoint(PRESET)
+    if device == "cpu":
+        scheduler = reference_scheduler(model)
+    else:  # the GPU's defaults: triton kernels, CUDA graphs, the overlap schedule for the free-only batch
+        scheduler = Scheduler(ServerArgs(model_path=str(model), device="cuda", context_length=CONTEXT_LENGTH))
     prompts = [tokenizer(f"Request {i}: the weather is")["input_ids"] for i in range(4)]
     schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}})
 
