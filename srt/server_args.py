@@ -14,6 +14,7 @@ ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 SPECULATIVE_ALGORITHMS = ("FROZEN_KV_MTP",)
 MAX_SPECULATIVE_NUM_STEPS = 16
+CHAT_PARSERS = ("gemma4", "none")  # --tool-call-parser, --reasoning-parser
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -114,6 +115,19 @@ class ServerArgs:
     port: int = _arg(30000, "Port of the HTTP server.")
     served_model_name: str | None = _arg(
         None, "Model name the OpenAI API reports and accepts (default: the --model argument as given)."
+    )
+    tool_call_parser: str | None = _arg(
+        None,
+        "How chat replies' tool calls are read (SGLang's flag): gemma4 = <|tool_call>call:NAME{...}<tool_call|> "
+        "becomes message.tool_calls; none = replies stay text. Default: gemma4, the format of every checkpoint "
+        "srt serves.",
+        CHAT_PARSERS,
+    )
+    reasoning_parser: str | None = _arg(
+        None,
+        "How chat replies' thinking is read (SGLang's flag): gemma4 = <|channel>thought ... <channel|> becomes "
+        "message.reasoning_content; none = replies stay text. Default: gemma4.",
+        CHAT_PARSERS,
     )
     log_interval: float = _arg(
         10.0, "Seconds between status log lines (requests, KV usage, throughput) while busy; 0: never."

@@ -95,4 +95,3 @@ def _sampling_params_schema(components: dict[str, Any]) -> dict[str, Any]:
     """/generate's `sampling_params` is a plain dict in Python; document what it holds: SamplingParams."""
     ref = _register(SamplingParams, components)
     return {"anyOf": [ref, {"type": "array", "items": ref}, {"type": "null"}], "default": None}
-

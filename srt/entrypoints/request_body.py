@@ -94,8 +94,7 @@ def _check_text(field: str, text: str) -> None:
 
 def _too_large(size: int, max_bytes: int) -> BodyTooLarge:
     return BodyTooLarge(
-        f"the request body is {size} bytes, more than this server accepts ({max_bytes} bytes; "
-        "--max-request-body-mb)",
+        f"the request body is {size} bytes, more than this server accepts ({max_bytes} bytes; --max-request-body-mb)",
         code="request_too_large",
     )
 

@@ -20,6 +20,7 @@ class TokenizedGenerateReq:
     logprob_start_len: int | None = None  # prompt logprobs from this position on (None: none)
     top_logprobs_num: int = 0
     stream: bool = False
+    grammar: str | None = None  # the compiled grammar of sampling_params.grammar, serialized (sampling/grammar.py)
 
     def check(self, vocab_size: int, context_len: int, pool_tokens: int) -> None:
         """ValueError naming the field that makes this request unservable by a model and its KV pool."""

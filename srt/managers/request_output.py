@@ -28,7 +28,7 @@ def request_sampling(req: Req) -> RequestSampling:
     params = req.params
     return RequestSampling(
         params.sampling_params, req.generator, req.prompt_ids, req.output_ids, params.return_logprob,
-        params.top_logprobs_num,
+        params.top_logprobs_num, req.grammar,
     )  # fmt: skip
 
 

@@ -17,6 +17,7 @@ import torch
 from srt.forward.forward_batch import ForwardBatch, ForwardMode
 from srt.managers.io_struct import FinishReason, TokenizedGenerateReq, TokenLogprob
 from srt.mem_cache.base_prefix_cache import MatchResult
+from srt.sampling.grammar import RequestGrammar
 from srt.sampling.sampler import make_generator
 
 
@@ -37,6 +38,7 @@ class Req:
     prompt_logprobs_done: bool = False
     finished_reason: FinishReason | None = None
     generator: torch.Generator | None = None
+    grammar: RequestGrammar | None = None  # structured output: where the request is in its grammar
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     input_logprobs: list[TokenLogprob] = field(default_factory=list)
     emitted_tokens: int = 0  # output tokens already reported

@@ -47,12 +47,14 @@ from srt.managers.request_output import (
 )
 from srt.managers.schedule_batch import Req, ScheduleBatch, ScheduledReq, fill_drafts
 from srt.managers.schedule_policy import PrefillBudget, order_waiting
+from srt.managers.tokenizer_loader import load_grammar_vocab
 from srt.managers.verify_round import VerifyRound, num_drafts_for, speculates
 from srt.mem_cache.base_prefix_cache import PrefixCache
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.swa_radix_cache import SWARadixCache
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.batch_sampler import BatchSampler
+from srt.sampling.grammar import GrammarMatchers
 from srt.sampling.sampler import SamplingBatch, make_generator
 from srt.server_args import ServerArgs
 from srt.speculative.frozen_kv_mtp import DraftRequests
@@ -105,6 +107,8 @@ class Scheduler:
         self._sampler: tuple[list[Req], BatchSampler] | None = None
         self.overlap = not server_args.disable_overlap_schedule
         self._in_flight: _Launched | None = None  # a decode step launched, its tokens not read yet
+        vocab = self.runner.model_config.vocab_size
+        self.grammars = GrammarMatchers(lambda: load_grammar_vocab(server_args, vocab, sorted(self.eos_ids)))
 
     # ---- requests in -----------------------------------------------------------------------------------
     def add_request(self, request: TokenizedGenerateReq) -> None:
@@ -112,7 +116,10 @@ class Scheduler:
         request.check(self.runner.model_config.vocab_size, self.runner.context_len, self.allocator.full_size)
         if any(req.rid == request.rid for req in self.waiting + self.running):
             raise ValueError(f"a request with rid {request.rid!r} is already running")
-        self.waiting.append(Req.from_request(request, self.runner.device))
+        req = Req.from_request(request, self.runner.device)
+        if request.grammar is not None:
+            req.grammar = self.grammars.matcher(request.grammar)
+        self.waiting.append(req)
 
     def abort(self, rid: str) -> ReqOutput | None:
         """Stop a waiting or running request and free everything it holds; None if it is unknown."""
@@ -252,6 +259,8 @@ class Scheduler:
             return None
         if len(reqs) != len(self.running) or any(a is not b for a, b in zip(reqs, self.running, strict=True)):
             return None  # a request was aborted
+        if any(req.grammar is not None for req in reqs):
+            return None  # a grammar's next mask needs the step's tokens on the host
         items = [self._decode_item(req) for req in reqs]
         if any(item.num_drafts for item in items) or not self._make_room(len(reqs)):
             return None  # a verify step needs the tokens read; retraction decides with every token read
@@ -339,7 +348,7 @@ class Scheduler:
         if self.drafter is not None:
             # a speculating request's last tokens, with nothing left to draft, are rounds of their own
             for item in launched.batch.items:
-                if item.decode and not item.num_drafts and speculates(item.req.params.sampling_params):
+                if item.decode and not item.num_drafts and speculates(item.req):
                     item.req.spec_verify_ct += 1
                     self.accept_counts[0] += 1
         outputs, out_of_window = [], []

@@ -14,8 +14,12 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from srt.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,14 @@ def load_tokenizer(server_args: ServerArgs):
         )
         return standin_tokenizer.load_standin_tokenizer(standin_vocab_size, empty_thought_channel)
     return AutoTokenizer.from_pretrained(path)
+
+
+def load_grammar_vocab(server_args: ServerArgs, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
+    """The vocabulary as grammars see it: the served tokenizer's token texts over the model's `vocab_size` rows;
+    the grammar ends with one of `stop_token_ids` (the model's EOS ids)."""
+    from srt.sampling.grammar import tokenizer_info
+
+    return tokenizer_info(load_tokenizer(server_args), vocab_size, stop_token_ids)
 
 
 def _standin_vocab_size(path: str) -> int | None:

@@ -35,6 +35,7 @@ from srt.managers.io_struct import (
 )
 from srt.managers.ipc import PortArgs, socket
 from srt.managers.metrics import ServerMetrics
+from srt.sampling.grammar import GrammarCompiler, check_grammar, tokenizer_info
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
@@ -51,6 +52,7 @@ def check_text(text: str) -> None:
         raise ValueError(
             f"text must be valid Unicode: the prompt holds a lone surrogate at character {error.start}"
         ) from None
+
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default when a /generate request names none
 DISCONNECT_CHECK_S = 0.25  # how often a non-streaming request checks whether its client is still there
@@ -111,6 +113,7 @@ class TokenizerManager:
         self._send = socket(zmq.Context.instance(), zmq.PUSH, port_args.scheduler_input, bind=False)
         self._recv: zmq.asyncio.Socket | None = None
         self._loop_task: asyncio.Task | None = None
+        self._grammar_compiler: GrammarCompiler | None = None  # built at the first constrained request
 
     async def start(self) -> None:
         """Bind to the running event loop and start receiving outputs."""
@@ -167,6 +170,8 @@ class TokenizerManager:
         except TypeError as error:
             raise ValueError(f"sampling_params: {error}") from None
         params.validate(vocab)
+        if params.grammar is not None:
+            check_grammar(*params.grammar)
         if len(ids) + params.max_new_tokens > context:
             raise ValueError(
                 f"max_new_tokens is too large: the prompt ({len(ids)} tokens) + max_new_tokens "
@@ -209,6 +214,7 @@ class TokenizerManager:
         `prepared` to find out before committing to a response (an HTTP stream, say).
         """
         requests = prepared if prepared is not None else self.prepare(obj)
+        await self._compile_grammars(requests)
         queue: asyncio.Queue = asyncio.Queue()
         texts = self.token_texts if obj.return_text_in_logprobs else None
         for index, req in enumerate(requests):  # requests are in output order
@@ -238,6 +244,17 @@ class TokenizerManager:
         finally:
             for rid in pending:  # the reader left early (disconnect, error, cancellation): stop the rest
                 self.abort(rid)
+
+    async def _compile_grammars(self, requests: list[TokenizedGenerateReq]) -> None:
+        """Compile the requests' grammars in a worker thread (cached), so the scheduler only deserializes them."""
+        for req in requests:
+            if req.sampling_params.grammar is not None and req.grammar is None:
+                if self._grammar_compiler is None:
+                    info = await asyncio.to_thread(
+                        tokenizer_info, self.tokenizer, self.info.vocab_size, self.info.eos_token_ids
+                    )
+                    self._grammar_compiler = GrammarCompiler(info)
+                req.grammar = await asyncio.to_thread(self._grammar_compiler.compile, *req.sampling_params.grammar)
 
     async def generate_all(
         self,

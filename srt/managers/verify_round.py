@@ -11,8 +11,9 @@ followed by its k drafts: k + 1 rows, every one a logits row.
     next round newest token c_n, the hidden state of row n
 
 A request speculates when its sampling does not depend on its own history within the round: penalties and
-min_new_tokens would score row i after drafts the host has not accepted yet, so such requests decode one
-token at a time in the same steps. Nothing here reads the device until `VerifyRound.apply`.
+min_new_tokens would score row i after drafts the host has not accepted yet (and a grammar would need its
+mask at every row), so such requests decode one token at a time in the same steps. Nothing here reads the
+device until `VerifyRound.apply`.
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ from srt.managers.schedule_batch import Req
 from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from srt.sampling.sampler import SamplingBatch, filtered_probs, top_logprobs
-from srt.sampling.sampling_params import SamplingParams
 from srt.speculative.accept import Accepted, accept_greedy, accept_sampled
 
 
-def speculates(params: SamplingParams) -> bool:
-    """Whether a request with these parameters verifies drafts (module docstring)."""
+def speculates(req: Req) -> bool:
+    """Whether a request verifies drafts (module docstring). Constrained requests do not: their drafts would
+    need the grammar's mask at every verify row (one matcher state per row)."""
+    params = req.params.sampling_params
     return (
-        params.repetition_penalty == 1.0
+        req.grammar is None
+        and params.repetition_penalty == 1.0
         and params.frequency_penalty == 0.0
         and params.presence_penalty == 0.0
         and params.min_new_tokens == 0
@@ -46,7 +49,7 @@ def speculates(params: SamplingParams) -> bool:
 def num_drafts_for(req: Req, num_steps: int, context_len: int) -> int:
     """Drafts worth verifying for `req`: none past max_new_tokens or the context (the last emitted token is the
     target's own)."""
-    if not speculates(req.params.sampling_params):
+    if not speculates(req):
         return 0
     left = min(req.params.sampling_params.max_new_tokens - len(req.output_ids), context_len - req.num_tokens)
     return max(0, min(num_steps, left - 1))

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from srt.sampling.grammar import BatchGrammar, RequestGrammar
 from srt.sampling.sampler import PenaltyState, SampleOutput, SamplingBatch, sample
 from srt.sampling.sampling_params import SamplingParams
 
@@ -28,9 +29,10 @@ class RequestSampling:
     params: SamplingParams
     generator: torch.Generator | None  # the request's own (seeded) generator, kept for its whole life
     prompt_ids: Sequence[int]
-    output_ids: Sequence[int]  # tokens generated so far
+    output_ids: Sequence[int]  # tokens generated so far: the request's own list, which grows step by step
     return_logprob: bool
     top_logprobs_num: int
+    grammar: RequestGrammar | None = None  # structured output: the tokens it may sample are masked
 
 
 @dataclass(eq=False)
@@ -41,6 +43,7 @@ class BatchSampler:
     penalties: PenaltyState | None  # None when no request uses penalties or min_new_tokens
     return_logprob: bool  # some request asked for logprobs
     top_logprobs_num: int  # the largest request's count
+    grammar: BatchGrammar | None = None  # None when no request is constrained
 
     @classmethod
     def build(
@@ -68,11 +71,17 @@ class BatchSampler:
             penalties=penalties,
             return_logprob=any(r.return_logprob for r in requests),
             top_logprobs_num=max((r.top_logprobs_num for r in requests), default=0),
+            grammar=BatchGrammar.build(
+                [r.grammar for r in requests], [r.output_ids for r in requests], vocab_size, batch.device
+            ),
         )
 
     def sample(self, logits: torch.Tensor, greedy_ids: torch.Tensor | None = None) -> SampleOutput:
         """One token per row of `logits` [batch, vocab] (see `sampler.sample`), recorded in the history. Call
-        it once per step, with every request of the batch sampling; nothing here waits for the device."""
+        it once per step, with every request of the batch sampling; nothing here waits for the device, except
+        that constrained requests' grammars need their tokens of the step before on the host."""
+        if self.grammar is not None:
+            logits, greedy_ids = self.grammar.constrain(logits, greedy_ids)
         out = sample(logits, self.batch, self.penalties, self.top_logprobs_num, self.return_logprob, greedy_ids)
         if self.penalties is not None:
             self.penalties.record(out.next_token_ids)

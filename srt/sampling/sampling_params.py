@@ -43,6 +43,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     n: int = 1
+    # structured output (SGLang's names), at most one: the output must match it (sampling/grammar.py)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +63,14 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
         return cls(**d)
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """(kind, text) of the request's grammar, e.g. ("json_schema", '{"type": "object"}'); None if free."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            if getattr(self, kind) is not None:
+                return kind, getattr(self, kind)
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -106,6 +118,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [{lo}, {hi}], got {getattr(self, name)}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        grammars = [kind for kind in ("json_schema", "regex", "ebnf") if getattr(self, kind) is not None]
+        if len(grammars) > 1:
+            raise ValueError(f"{grammars[0]} and {grammars[1]} cannot be combined: give at most one grammar")
+        for kind in grammars:
+            if not isinstance(getattr(self, kind), str):
+                raise ValueError(f"{kind} must be a string, got {type(getattr(self, kind)).__name__}")
 
         if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")

@@ -113,7 +113,6 @@ class CompletionRun:
             "matched_stop": matched_stop(meta),
         }
 
-
     def _added_tokens(self, index: int) -> int:
         """1 if the server put a `<bos>` before output `index`'s text prompt (not echoed), else 0."""
         prompt = self.prompts[index // self.request.n]

@@ -1,0 +1,201 @@
+"""Constrained decoding with xgrammar: a request's grammar masks the tokens it may sample next.
+
+    tokenizer manager                            scheduler                                 device
+    check_grammar (a 400 if the text is bad)
+    GrammarCompiler.compile (a thread, cached) ─► GrammarMatchers.matcher ─► RequestGrammar
+        serialized CompiledGrammar (~40 KB)        (per request, kept on its Req)
+                                                   BatchGrammar.constrain, every step:
+                                                     catch up with the request's new tokens,
+                                                     fill its row of a pinned bitmask ──────► copy, mask logits
+
+Compiling (ms to seconds for big schemas and vocabularies) happens in the tokenizer manager's thread pool,
+never in the scheduler's loop; xgrammar's compiler caches what it compiled. The scheduler only deserializes
+(ms) and asks each step for a [rows, vocab / 32] int32 bitmask, filled on the host while the forward runs.
+
+`RequestGrammar` follows a request's tokens by catching up (`catch_up(output_ids)` accepts the tokens it has
+not seen), so sampling needs no hook after each step, and it can accept several tokens and roll them back:
+speculative decoding checks drafts with `valid_prefix_len` and keeps what a verify step accepted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+import xgrammar as xgr
+
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf")  # SamplingParams fields, SGLang's names
+_LENIENT_STRING_CHAR = r"[^\"\\\r\n]"  # one character of a bounded string, in xgrammar's EBNF
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"  # what JSON allows unescaped
+_NATIVE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[16:54:37] /project/cpp/x.cc:83: " of C++ errors
+
+
+def _message(error: Exception) -> str:
+    return _NATIVE_PREFIX.sub("", str(error).strip())
+
+
+def _grammar(kind: str, source: str) -> xgr.Grammar:
+    if kind == "json_schema":
+        # compact JSON: a model cannot loop on whitespace between tokens (vLLM's json_schema "timeouts")
+        ebnf = str(xgr.Grammar.from_json_schema(source, any_whitespace=False))
+        # xgrammar 0.2.8 lets control characters into strings with a length bound, which JSON forbids
+        return xgr.Grammar.from_ebnf(ebnf.replace(_LENIENT_STRING_CHAR, _JSON_STRING_CHAR))
+    if kind == "regex":
+        return xgr.Grammar.from_regex(source)
+    if kind == "ebnf":
+        return xgr.Grammar.from_ebnf(source)
+    raise ValueError(f"unknown grammar kind {kind!r}; expected one of {', '.join(GRAMMAR_KINDS)}")
+
+
+def check_grammar(kind: str, source: object) -> None:
+    """ValueError naming `kind` when `source` is not a grammar of that kind (no tokenizer needed, fast)."""
+    if not isinstance(source, str):
+        raise ValueError(f"{kind} must be a string, got {type(source).__name__}")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(source)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"json_schema is not valid JSON: {error}") from None
+        if not isinstance(schema, dict | bool):
+            raise ValueError("json_schema must be a JSON object")
+    try:
+        _grammar(kind, source)
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(f"{kind} is invalid: {_message(error)}") from None
+
+
+def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
+    """What xgrammar needs to know of the vocabulary: each id's text (the model's rows, padding included)."""
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+
+
+class GrammarCompiler:
+    """Compiles grammars against the tokenizer (tokenizer manager side); results are cached."""
+
+    def __init__(self, info: xgr.TokenizerInfo) -> None:
+        self.compiler = xgr.GrammarCompiler(info)
+        self.compile = lru_cache(maxsize=256)(self._compile)
+
+    def _compile(self, kind: str, source: str) -> str:
+        """The compiled grammar, serialized for the scheduler."""
+        return self.compiler.compile_grammar(_grammar(kind, source)).serialize_json()
+
+
+class GrammarMatchers:
+    """Scheduler side: a matcher per constrained request. The vocabulary is loaded at the first one."""
+
+    def __init__(self, load_info: Callable[[], xgr.TokenizerInfo]) -> None:
+        self.load_info = load_info
+        self._info: xgr.TokenizerInfo | None = None
+
+    def matcher(self, serialized: str) -> RequestGrammar:
+        if self._info is None:
+            self._info = self.load_info()
+        return RequestGrammar(xgr.CompiledGrammar.deserialize_json(serialized, self._info))
+
+
+class RequestGrammar:
+    """One request's position in its grammar. Tokens go in with `accept_tokens` (or `catch_up`); `rollback`
+    takes the last ones out again."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.vocab_size = compiled.tokenizer_info.vocab_size
+        self.num_accepted = 0  # output tokens the matcher has taken
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and took its stop token: nothing more may follow."""
+        return self.matcher.is_terminated()
+
+    def accept_tokens(self, token_ids: Sequence[int]) -> int:
+        """Take tokens in order until one does not fit; how many were taken."""
+        for count, token in enumerate(token_ids):
+            if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
+                return count
+            self.num_accepted += 1
+        return len(token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Take back the last `num_tokens` accepted tokens (rejected drafts)."""
+        if not 0 <= num_tokens <= self.num_accepted:
+            raise ValueError(f"cannot roll back {num_tokens} of {self.num_accepted} accepted tokens")
+        if num_tokens:
+            self.matcher.rollback(num_tokens)
+            self.num_accepted -= num_tokens
+
+    def catch_up(self, output_ids: Sequence[int]) -> None:
+        """Accept the output tokens the matcher has not seen. The sampler only draws allowed tokens, so one
+        that does not fit means the request's tokens came from elsewhere: fail loudly."""
+        new = output_ids[self.num_accepted :]
+        taken = self.accept_tokens(new) if new else 0
+        if taken != len(new):
+            raise RuntimeError(f"token {new[taken]} breaks the request's grammar")
+
+    def valid_prefix_len(self, token_ids: Sequence[int]) -> int:
+        """How many leading `token_ids` the grammar allows from here (the state is left as it was)."""
+        count = self.accept_tokens(token_ids)
+        self.rollback(count)
+        return count
+
+    def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Row `row` of an int32 [rows, vocab / 32] bitmask: bit i set = token i allowed next."""
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+@dataclass(eq=False)
+class BatchGrammar:
+    """The constrained rows of one batch sampler: their grammars, token lists and bitmask buffers."""
+
+    rows: list[int]
+    grammars: list[RequestGrammar]
+    output_ids: list[Sequence[int]]  # each request's live output list (the scheduler appends to it)
+    host_mask: torch.Tensor  # [batch, words] int32, pinned on CUDA
+    device_mask: torch.Tensor
+    constrained: torch.Tensor  # [batch] bool on the device
+
+    @classmethod
+    def build(
+        cls, grammars: Sequence[RequestGrammar | None], output_ids: Sequence[Sequence[int]], vocab_size: int,
+        device: torch.device,
+    ) -> BatchGrammar | None:  # fmt: skip
+        """None when no row is constrained."""
+        rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
+        if not rows:
+            return None
+        host = xgr.allocate_token_bitmask(len(grammars), vocab_size)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        flags = torch.zeros(len(grammars), dtype=torch.bool)
+        flags[rows] = True
+        return cls(
+            rows=rows,
+            grammars=[grammars[row] for row in rows],
+            output_ids=[output_ids[row] for row in rows],
+            host_mask=host,
+            device_mask=torch.empty_like(host, device=device),
+            constrained=flags.to(device),
+        )
+
+    def constrain(
+        self, logits: torch.Tensor, greedy_ids: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A copy of `logits` [batch, vocab] with every disallowed token of a constrained row at -inf, and
+        `greedy_ids` with the constrained rows' argmax taken over what is allowed. Free rows are unchanged.
+
+        The host mask is refilled only after the host read the step before's tokens (the scheduler does not
+        overlap steps of constrained requests), so its previous copy to the device has finished."""
+        self.host_mask.fill_(-1)  # all bits set: free rows allow every token
+        for row, grammar, output_ids in zip(self.rows, self.grammars, self.output_ids, strict=True):
+            grammar.catch_up(output_ids)
+            grammar.fill_mask(self.host_mask, row)
+        self.device_mask.copy_(self.host_mask, non_blocking=True)
+        masked = logits.clone()
+        xgr.apply_token_bitmask_inplace(masked, self.device_mask, vocab_size=logits.shape[-1])
+        if greedy_ids is not None:
+            greedy_ids = torch.where(self.constrained, masked.argmax(dim=-1), greedy_ids)
+        return masked, greedy_ids

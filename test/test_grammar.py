@@ -1,0 +1,202 @@
+"""Constrained decoding with xgrammar: the per-request matcher, the sampler's mask, Gemma 4's call grammar, and
+constrained requests beside free ones in the scheduler (the free ones' tokens must not change)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import pytest
+import torch
+from serving_fixtures import CONTEXT_LENGTH, PRESET, reference_scheduler
+
+from srt.entrypoints.openai.tool_grammar import tool_call_grammar
+from srt.entrypoints.openai.tool_parser import parse_tool_calls
+from srt.managers.inprocess import run_to_completion
+from srt.managers.io_struct import TokenizedGenerateReq
+from srt.managers.scheduler import Scheduler
+from srt.sampling.batch_sampler import BatchSampler, RequestSampling
+from srt.sampling.grammar import GrammarCompiler, GrammarMatchers, RequestGrammar, check_grammar, tokenizer_info
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+from srt.tools.tokenizer_builder import build_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 1024
+STOP_IDS = [1, 50, 106]  # <eos>, <|tool_response>, <turn|>: the tiny checkpoints' EOS ids
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 6},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+        "opts": {"type": "object", "properties": {"metric": {"type": "boolean"}, "n": {"type": "number"}}},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 3},
+    },
+    "required": ["city", "days"],
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": SCHEMA}},
+    {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(VOCAB)
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer):
+    return GrammarCompiler(tokenizer_info(tokenizer, VOCAB, STOP_IDS))
+
+
+@pytest.fixture(scope="module")
+def matchers(tokenizer):
+    return GrammarMatchers(lambda: tokenizer_info(tokenizer, VOCAB, STOP_IDS))
+
+
+def allowed(grammar: RequestGrammar) -> list[int]:
+    mask = torch.zeros(1, VOCAB // 32, dtype=torch.int32)
+    grammar.fill_mask(mask, 0)
+    bits = (mask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten().nonzero().flatten().tolist()
+
+
+def random_walk(grammar: RequestGrammar, rng: random.Random, limit: int = 300) -> list[int]:
+    """Tokens drawn uniformly from what the grammar allows, until it terminates."""
+    out = []
+    while not grammar.terminated and len(out) < limit:
+        token = rng.choice(allowed(grammar))
+        assert grammar.accept_tokens([token]) == 1
+        out.append(token)
+    assert grammar.terminated
+    return out
+
+
+def test_bad_grammars_are_refused_by_name():
+    check_grammar("json_schema", json.dumps(SCHEMA))
+    check_grammar("regex", "(yes|no)[0-9]{2}")
+    for kind, source, words in [
+        ("json_schema", '{"type": "objec"}', "objec"),
+        ("json_schema", "{not json", "not valid JSON"),
+        ("json_schema", "[1, 2]", "JSON object"),
+        ("regex", "(abc", "parenthesis"),
+        ("ebnf", "root ::= missing", "missing"),
+    ]:
+        with pytest.raises(ValueError, match=words) as error:
+            check_grammar(kind, source)
+        assert str(error.value).startswith(kind)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        SamplingParams(regex="a", ebnf='root ::= "a"').validate()
+
+
+def test_accept_rollback_and_draft_checks(compiler, matchers, tokenizer):
+    grammar = matchers.matcher(compiler.compile("regex", "(yes|no)[0-9]{2}"))
+    ids = tokenizer("yes42", add_special_tokens=False)["input_ids"]
+    bad = tokenizer("maybe", add_special_tokens=False)["input_ids"]
+    assert grammar.valid_prefix_len(bad) == 0 and grammar.num_accepted == 0
+    assert grammar.valid_prefix_len(ids + bad) == len(ids) and grammar.num_accepted == 0  # state kept
+    assert grammar.accept_tokens(ids) == len(ids)
+    assert set(allowed(grammar)) == set(STOP_IDS)  # complete: only a stop token may follow
+    grammar.rollback(len(ids))
+    assert grammar.num_accepted == 0 and grammar.accept_tokens(ids[:1]) == 1
+    with pytest.raises(ValueError):
+        grammar.rollback(2)
+    grammar.catch_up(ids)  # accepts the tokens it has not seen
+    assert grammar.num_accepted == len(ids)
+    with pytest.raises(RuntimeError, match="breaks"):
+        grammar.catch_up([*ids, bad[0]])
+
+
+def test_sampler_masks_constrained_rows_and_leaves_free_rows_alone(compiler, matchers, tokenizer):
+    torch.manual_seed(0)
+    logits = torch.randn(3, VOCAB)
+    grammar = matchers.matcher(compiler.compile("regex", "(yes|no)[0-9]{2}"))
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3)]
+    outputs: list[list[int]] = [[], [], []]
+
+    def requests(grammars):
+        return [RequestSampling(p, None, [2], outputs[i], False, 0, grammars[i]) for i, p in enumerate(params)]
+
+    free = BatchSampler.build(requests([None] * 3), VOCAB, "cpu").sample(logits, logits.argmax(-1))
+    mixed_sampler = BatchSampler.build(requests([None, grammar, None]), VOCAB, "cpu")
+    mixed = mixed_sampler.sample(logits, logits.argmax(-1))
+    assert mixed.next_token_ids[0] == free.next_token_ids[0]
+    assert int(mixed.next_token_ids[1]) in allowed(grammar)
+    assert int(mixed.next_token_ids[1]) == max(allowed(grammar), key=lambda i: logits[1, i])
+    # the next step catches the grammar up with the token the scheduler appended
+    outputs[1].append(int(mixed.next_token_ids[1]))
+    second = mixed_sampler.sample(logits, logits.argmax(-1))
+    assert grammar.num_accepted == 1 and int(second.next_token_ids[1]) in allowed(grammar)
+
+
+def test_tool_call_grammar_gives_calls_that_validate(compiler, matchers, tokenizer):
+    rng = random.Random(0)
+    names = frozenset({"get_weather", "noop"})
+    for forced, single in [(None, False), ("get_weather", True), (None, True)]:
+        serialized = compiler.compile("ebnf", tool_call_grammar(TOOLS, forced, single))
+        for _ in range(5):
+            ids = random_walk(matchers.matcher(serialized), rng)
+            assert ids[-1] in STOP_IDS
+            content, calls = parse_tool_calls(tokenizer.decode(ids[:-1], skip_special_tokens=False), names)
+            assert content == "" and calls
+            assert not single or len(calls) == 1
+            for call in calls:
+                assert forced is None or call.name == forced
+                arguments = json.loads(call.arguments)
+                jsonschema.validate(arguments, SCHEMA if call.name == "get_weather" else {"const": {}})
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_constrained_and_free_requests_in_one_batch(tiny_checkpoint, compiler, tokenizer, device):
+    """Greedy free requests get the tokens they get alone; the constrained ones beside them match their schema."""
+    model = tiny_checkpoint(PRESET)
+    if device == "cpu":
+        scheduler = reference_scheduler(model)
+    else:  # the GPU's defaults: triton kernels, CUDA graphs, the overlap schedule for the free-only batch
+        scheduler = Scheduler(ServerArgs(model_path=str(model), device="cuda", context_length=CONTEXT_LENGTH))
+    prompts = [tokenizer(f"Request {i}: the weather is")["input_ids"] for i in range(4)]
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}})
+
+    def request(i: int, constrained: bool) -> TokenizedGenerateReq:
+        extra = {"json_schema": schema} if constrained else {"ignore_eos": True}
+        params = SamplingParams(temperature=0.0, max_new_tokens=12, **extra)
+        req = TokenizedGenerateReq(f"{'c' if constrained else 'f'}{i}", prompts[i], params)
+        req.grammar = compiler.compile("json_schema", schema) if constrained else None
+        return req
+
+    alone = run_to_completion(scheduler, [request(0, False), request(1, False)])
+    mixed = run_to_completion(scheduler, [request(i, i >= 2) for i in range(4)] + [request(0, True)])
+    for rid in ("f0", "f1"):
+        assert mixed[rid].output_ids == alone[rid].output_ids
+    for rid in ("c2", "c3", "c0"):
+        ids = mixed[rid].output_ids
+        assert ids[-1] in STOP_IDS
+        jsonschema.validate(json.loads(tokenizer.decode(ids[:-1])), json.loads(schema))
+    scheduler.check_integrity()
+
+
+def test_constrained_requests_decode_without_drafts_under_mtp(tiny_checkpoint, compiler, tokenizer):
+    """With the MTP assistant, a constrained request takes no drafts (its mask is per token) and still matches
+    its schema; a free request beside it verifies drafts."""
+    model, assistant = tiny_checkpoint(PRESET), tiny_checkpoint(f"{PRESET}-assistant")
+    args = ServerArgs(
+        model_path=str(model), device="cpu", dtype="float32", context_length=CONTEXT_LENGTH,
+        speculative_draft_model_path=str(assistant),
+    )  # fmt: skip
+    scheduler = Scheduler(args)
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}})
+    prompt = tokenizer("The weather is")["input_ids"]
+    constrained = TokenizedGenerateReq(
+        "c", prompt, SamplingParams(temperature=0.0, max_new_tokens=12, json_schema=schema)
+    )
+    constrained.grammar = compiler.compile("json_schema", schema)
+    free = TokenizedGenerateReq("f", prompt, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
+    results = run_to_completion(scheduler, [constrained, free])
+    ids = results["c"].output_ids
+    jsonschema.validate(json.loads(tokenizer.decode(ids[:-1])), json.loads(schema))
+    assert results["c"].spec_verify_ct == 0 and results["f"].spec_verify_ct > 0
+    scheduler.check_integrity()
