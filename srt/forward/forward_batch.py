@@ -24,6 +24,7 @@ from srt.forward.host_device import host_to_device
 if TYPE_CHECKING:
     from srt.mem_cache.kv_pool import HybridKVPool
     from srt.mem_cache.req_to_token_pool import ReqToTokenPool
+    from srt.multimodal.inputs import MultimodalBatch
 
 
 class ForwardMode(enum.Enum):
@@ -60,6 +61,8 @@ class ForwardBatch:
     # lists cannot describe the batch it replays, and whose padded logits rows are not "every row in order" even
     # when there are as many as tokens); without it `logits_batch()` derives it with `select_rows`
     logits_subset: ForwardBatch | None = None
+    # rows that take image embeddings and each request's image spans (None: a text-only batch)
+    mm: MultimodalBatch | None = None
 
     def __post_init__(self) -> None:
         # the model decides "every row needed?" from the host list: it must describe the device one

@@ -6,6 +6,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from srt.multimodal.inputs import MultimodalInputs
 from srt.sampling.sampling_params import SamplingParams
 
 
@@ -20,6 +21,7 @@ class TokenizedGenerateReq:
     logprob_start_len: int | None = None  # prompt logprobs from this position on (None: none)
     top_logprobs_num: int = 0
     stream: bool = False
+    mm_inputs: MultimodalInputs | None = None  # the prompt's images (patches pickled once, as numpy arrays)
 
     def check(self, vocab_size: int, context_len: int, pool_tokens: int) -> None:
         """ValueError naming the field that makes this request unservable by a model and its KV pool."""

@@ -17,6 +17,7 @@ import torch
 from srt.forward.forward_batch import ForwardBatch, ForwardMode
 from srt.managers.io_struct import FinishReason, TokenizedGenerateReq, TokenLogprob
 from srt.mem_cache.base_prefix_cache import MatchResult
+from srt.multimodal.inputs import multimodal_batch
 from srt.sampling.sampler import make_generator
 
 
@@ -64,6 +65,12 @@ class Req:
         if start >= split:
             return self.output_ids[start - split : stop - split]
         return self.prompt_ids[start:stop] + self.output_ids[: max(0, stop - split)]
+
+    def cache_tokens(self, stop: int) -> list[int]:
+        """The prefix-cache key of all_ids[:stop]: image placeholders stand for their image's content hash."""
+        ids = self.tokens(0, stop)
+        mm = self.params.mm_inputs
+        return ids if mm is None else mm.cache_key(ids)
 
     @property
     def to_compute(self) -> int:
@@ -120,7 +127,7 @@ class ScheduleBatch:
             if item.sample:
                 logits_rows.append(start + item.num_tokens - 1)
             start += item.num_tokens
-        return ForwardBatch.build(
+        batch = ForwardBatch.build(
             mode=self.mode,
             new_token_ids=new_tokens if input_ids is None else input_ids,
             prefix_lens=prefix_lens,
@@ -130,3 +137,8 @@ class ScheduleBatch:
             req_to_token_pool=req_to_token_pool,
             kv_pool=kv_pool,
         )
+        items = self.items
+        if any(item.req.params.mm_inputs is not None for item in items):
+            spans = [(item.req.params.mm_inputs, item.req.kv_len, item.req.kv_len + item.num_tokens) for item in items]
+            batch.mm = multimodal_batch(spans)
+        return batch
