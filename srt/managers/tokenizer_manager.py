@@ -35,6 +35,7 @@ from srt.managers.io_struct import (
 )
 from srt.managers.ipc import PortArgs, socket
 from srt.managers.metrics import ServerMetrics
+from srt.multimodal.image_prompts import ImagePrompts
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
@@ -86,6 +87,7 @@ class TokenizerManager:
         self.info = info
         self.tokenizer = tokenizer
         self.token_texts = TokenTexts(tokenizer)
+        self.image_prompts = ImagePrompts(server_args, tokenizer)
         self.model_name = server_args.served_model_name or server_args.model_path
         self.metrics = ServerMetrics(self.model_name)
         self.check_children = check_children
@@ -116,8 +118,10 @@ class TokenizerManager:
     # ---- requests ------------------------------------------------------------------------------------
     def tokenize(self, single: SingleReq, add_special_tokens: bool = True) -> TokenizedGenerateReq:
         """Tokenize and check one request; ValueError naming the bad field."""
-        ids = single.input_ids
-        if ids is None:
+        ids, mm = single.input_ids, None
+        if single.image_data:
+            ids, mm = self.image_prompts.tokenize(single, add_special_tokens)
+        elif ids is None:
             ids = self.tokenizer.encode(single.text, add_special_tokens=add_special_tokens)
             if not ids:
                 raise ValueError("text must not be empty")
@@ -152,6 +156,7 @@ class TokenizerManager:
             return_logprob=single.return_logprob,
             logprob_start_len=start if single.return_logprob else None,
             top_logprobs_num=single.top_logprobs_num if single.return_logprob else 0,
+            mm_inputs=mm,
         )
 
     def prepare(self, obj: GenerateReqInput) -> list[TokenizedGenerateReq]:
