@@ -99,6 +99,21 @@ class ServerArgs:
         "Steps of up to this many tokens (short prefills, prompt chunks, mixed prefill + decode steps) replay "
         "CUDA graphs captured per token count; longer ones run eagerly (0: no such graphs, only decode ones).",
     )
+    # ---- image input ----
+    mm_encoder_budget_mb: int = _arg(
+        2048,
+        "Activation memory (MiB, estimated) one vision-tower call may use; same-size images beyond it are "
+        "encoded in several calls.",
+    )
+    mm_embedding_cache_tokens: int = _arg(
+        8192, "Image soft tokens whose embeddings stay cached by image content (a repeated image is not re-encoded)."
+    )
+    disable_batched_mm_encoder: bool = _arg(
+        False, "Encode images one by one (a tower and an embedder call per image) instead of batched (A/B runs)."
+    )
+    allowed_local_media_path: str | None = _arg(
+        None, "Directory under which requests may name local image files (file:// URLs or paths); default: none."
+    )
     # ---- speculative decoding ----
     speculative_algorithm: str | None = _arg(
         None,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, Gemma4TextConfig, PretrainedConfig
+from transformers import AutoConfig, Gemma4TextConfig, Gemma4VisionConfig, PretrainedConfig
 
 from srt.configs import presets
 
@@ -49,6 +49,22 @@ class ModelConfig:
     hf_text_config: Gemma4TextConfig
     model_type: str
     layers: tuple[AttentionLayerSpec, ...]
+    # the whole `Gemma4Config` of a multimodal checkpoint (token ids of the image markers); None for text-only
+    hf_config: PretrainedConfig | None = None
+
+    @property
+    def vision_config(self) -> Gemma4VisionConfig | None:
+        """The vision tower's config; None for a text-only checkpoint (or one without a vision tower)."""
+        return getattr(self.hf_config, "vision_config", None)
+
+    @property
+    def image_token_id(self) -> int | None:
+        return getattr(self.hf_config, "image_token_id", None)
+
+    @property
+    def bidirectional_images(self) -> bool:
+        """Whether image tokens attend to each other both ways (sliding layers of 26B-A4B and 31B)."""
+        return getattr(self.hf_text_config, "use_bidirectional_attention", None) == "vision"
 
     @property
     def num_layers(self) -> int:
@@ -96,7 +112,8 @@ class ModelConfig:
                 f"(model_type one of {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         text = config.text_config if model_type == "gemma4" else config
-        return cls(hf_text_config=text, model_type=model_type, layers=_layer_specs(text))
+        full = config if model_type == "gemma4" else None
+        return cls(hf_text_config=text, model_type=model_type, layers=_layer_specs(text), hf_config=full)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> ModelConfig:
@@ -122,7 +139,8 @@ class ModelConfig:
 
     @classmethod
     def from_preset(cls, name: str) -> ModelConfig:
-        return cls.from_hf_config(presets.preset_text_config(name))
+        """A preset as published: text model and vision tower (`--load-format dummy`)."""
+        return cls.from_hf_config(presets.preset_config(name))
 
     @classmethod
     def from_name_or_path(cls, name_or_path: str | Path) -> ModelConfig:

@@ -14,7 +14,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from transformers import Gemma4AssistantConfig, Gemma4TextConfig
+from transformers import Gemma4AssistantConfig, Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
 
 _VARIANTS_FILE = Path(__file__).with_name("gemma4_variants.json")
 PUBLISHED = ("gemma-4-E2B-it", "gemma-4-E4B-it", "gemma-4-26B-A4B-it", "gemma-4-31B-it")
@@ -125,6 +125,63 @@ def preset_text_config(name: str) -> Gemma4TextConfig:
     if is_assistant_preset(name):
         raise ValueError(f"{name!r} is an MTP assistant preset; it has a Gemma4AssistantConfig (assistant_config)")
     return Gemma4TextConfig(**preset_text_kwargs(name))
+
+
+# ---- the vision tower: every published checkpoint is `Gemma4ForConditionalGeneration` ----
+
+# A tiny tower with the published structure (patch size, pooling, clipped linears or standardization, axial RoPE):
+# real images still patchify to 16x16x3 = 768 values per patch, so transformers' image processor runs unchanged.
+_TINY_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+# keys of `vision_towers` entries that are not Gemma4VisionConfig arguments
+_VISION_NOTES = ("soft_tokens_per_image",)
+
+
+def preset_vision_kwargs(name: str) -> dict[str, Any]:
+    """`Gemma4VisionConfig` keyword arguments of a preset's vision tower (a fresh copy each call)."""
+    if not is_preset(name):
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(preset_names())}")
+    base = name.removeprefix("tiny-")
+    tower = copy.deepcopy(_variants()["vision_towers"][_variants()[base]["vision"]])
+    for key in _VISION_NOTES:
+        tower.pop(key, None)
+    if name.startswith("tiny-"):
+        tower.update(_TINY_VISION)
+    return tower
+
+
+def multimodal_token_ids(vocab_size: int) -> dict[str, int]:
+    """`Gemma4Config` ids of the image / video / audio markers in a vocabulary of `vocab_size` entries: the
+    published ids, or for the tiny vocabulary the last ids, where its tokenizer puts them (`tokenizer_builder`)."""
+    published = _variants()["special_token_ids"]
+    names = ("boi", "boa", "image", "audio", "eoi", "eoa", "video")  # published order, as in tokenizer_builder
+    if vocab_size == TINY_VOCAB_SIZE:
+        ids = dict(zip(names, range(vocab_size - len(names), vocab_size), strict=True))
+    else:
+        ids = {name: published[name] if name != "eoa" else 258_883 for name in names}
+    return {
+        "boi_token_id": ids["boi"],
+        "eoi_token_id": ids["eoi"],
+        "image_token_id": ids["image"],
+        "video_token_id": ids["video"],
+        "boa_token_id": ids["boa"],
+        "eoa_token_index": ids["eoa"],
+        "audio_token_id": ids["audio"],
+    }
+
+
+def preset_config(name: str) -> Gemma4Config:
+    """The multimodal transformers config of a preset (text model + vision tower, no audio tower), the shape of
+    the published `Gemma4ForConditionalGeneration` checkpoints."""
+    text = preset_text_config(name)
+    vision = Gemma4VisionConfig(**preset_vision_kwargs(name))
+    return Gemma4Config(text_config=text, vision_config=vision, **multimodal_token_ids(text.vocab_size))
 
 
 # ---- MTP assistants (drafters): `gemma-4-*-it-assistant`, one per published target ----

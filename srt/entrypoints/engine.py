@@ -69,6 +69,8 @@ class Engine:
         top_logprobs_num: int | list[int] = 0,
         stream: bool = False,
         return_text_in_logprobs: bool = False,
+        image_data: Any = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a dict) or a batch (a list of dicts, prompt-major when n > 1).
 
@@ -84,6 +86,8 @@ class Engine:
             top_logprobs_num,
             stream,
             return_text_in_logprobs,
+            image_data,
+            mm_processor_kwargs,
         )
         prepared = self._call(self._prepare(obj))
         if not stream:
@@ -177,6 +181,8 @@ def _generate_input(
     top_logprobs_num: int | list[int] = 0,
     stream: bool = False,
     return_text_in_logprobs: bool = False,
+    image_data: Any = None,
+    mm_processor_kwargs: dict | None = None,
 ) -> GenerateReqInput:
     """The request `Engine.generate` and `async_generate` take, by the same arguments (`prompt` is `text`)."""
     return GenerateReqInput(
@@ -188,4 +194,6 @@ def _generate_input(
         top_logprobs_num=top_logprobs_num,
         stream=stream,
         return_text_in_logprobs=return_text_in_logprobs,
+        image_data=image_data,
+        mm_processor_kwargs=mm_processor_kwargs,
     )

@@ -24,6 +24,7 @@ from srt.forward.host_device import host_to_device
 if TYPE_CHECKING:
     from srt.mem_cache.kv_pool import HybridKVPool
     from srt.mem_cache.req_to_token_pool import ReqToTokenPool
+    from srt.multimodal.inputs import MultimodalBatch
 
 
 class ForwardMode(enum.Enum):
@@ -63,6 +64,8 @@ class ForwardBatch:
     # attention runs each query row alone over its request's KV up to its position (a few rows per request over
     # a long prefix: speculative verify steps); only a hint for the kernel choice, the result is the same
     attend_row_by_row: bool = False
+    # rows that take image embeddings and each request's image spans (None: a text-only batch)
+    mm: MultimodalBatch | None = None
 
     def __post_init__(self) -> None:
         # the model decides "every row needed?" from the host list: it must describe the device one

@@ -42,6 +42,11 @@ class GenerateReqInput:
     add_special_tokens: bool = True
     # streamed chunks carry meta_info["emit_ts"]: when the step's tokens left each process (io_struct.EmitTimes)
     return_emit_ts: bool = False
+    # images of the prompt, one per `<|image|>` of its text, in order: PIL images, data: URLs, base64 strings or
+    # local paths (multimodal/media.py); a list of such lists for a batch
+    image_data: Any = None
+    # the image processor's per-request settings: {"max_soft_tokens": 70 | 140 | 280 | 560 | 1120}
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @property
     def is_batch(self) -> bool:
@@ -78,6 +83,9 @@ class GenerateReqInput:
         start = _per_prompt("logprob_start_len", self.logprob_start_len, num, self.is_batch)
         top = _per_prompt("top_logprobs_num", self.top_logprobs_num, num, self.is_batch)
         rids = _per_prompt("rid", self.rid, num, self.is_batch)
+        images = _images_per_prompt(self.image_data, num, self.is_batch)
+        if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
+            raise ValueError(f"mm_processor_kwargs must be an object, got {self.mm_processor_kwargs!r}")
         for i in range(num):  # every n first: nothing is built for a request that asks for too many
             if not isinstance(params[i] or {}, dict):
                 raise ValueError(f"sampling_params must be an object, got {params[i]!r}")
@@ -109,6 +117,8 @@ class GenerateReqInput:
                         return_logprob=return_logprob[i],
                         logprob_start_len=None if start[i] in (None, -1) else start[i],
                         top_logprobs_num=top[i],
+                        image_data=images[i],
+                        mm_processor_kwargs=self.mm_processor_kwargs,
                     )
                 )
         return singles
@@ -140,6 +150,19 @@ class SingleReq:
     return_logprob: bool = False
     logprob_start_len: int | None = None
     top_logprobs_num: int = 0
+    image_data: list[Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+
+def _images_per_prompt(image_data: Any, num: int, is_batch: bool) -> list[list[Any] | None]:
+    """Each prompt's list of images (None: none)."""
+    if image_data is None:
+        return [None] * num
+    if not is_batch:
+        return [list(image_data) if isinstance(image_data, list) else [image_data]]
+    if not isinstance(image_data, list) or len(image_data) != num:
+        raise ValueError(f"image_data must have one entry (an image or a list of images) for each of {num} prompts")
+    return [None if x is None else list(x) if isinstance(x, list) else [x] for x in image_data]
 
 
 def _item(values: list | None, i: int) -> Any:

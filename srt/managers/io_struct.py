@@ -6,6 +6,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from srt.multimodal.inputs import MultimodalInputs
 from srt.sampling.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     stream: bool = False
     grammar: str | None = None  # the compiled grammar of sampling_params.grammar, serialized (sampling/grammar.py)
+    mm_inputs: MultimodalInputs | None = None  # the prompt's images (patches pickled once, as numpy arrays)
 
     def check(self, vocab_size: int, context_len: int, pool_tokens: int) -> None:
         """ValueError naming the field that makes this request unservable by a model and its KV pool."""

@@ -19,7 +19,7 @@ from srt.mem_cache.swa_window import out_of_window_upto
 def cache_prefill(req: Req, req_to_token_pool: ReqToTokenPool, cache: PrefixCache) -> None:
     """After a prefill forward: the request's tokens so far go to the cache; it keeps them locked."""
     row = req_to_token_pool.req_to_token[req.req_pool_idx]
-    req.prefix = cache.cache_unfinished(req.tokens(0, req.kv_len), row[: req.kv_len].long(), req.prefix)
+    req.prefix = cache.cache_unfinished(req.cache_tokens(req.kv_len), row[: req.kv_len].long(), req.prefix)
     req_to_token_pool.write(req.req_pool_idx, 0, req.prefix.slots)
     req.swa_freed_upto = max(req.swa_freed_upto, req.prefix.prefix_len)
 
@@ -40,7 +40,7 @@ def free_windows(reqs: list[Req], req_to_token_pool: ReqToTokenPool, allocator: 
 def release(req: Req, req_to_token_pool: ReqToTokenPool, cache: PrefixCache) -> None:
     """Hand the request's KV to the cache and free its row; afterwards it holds nothing."""
     row = req_to_token_pool.req_to_token[req.req_pool_idx]
-    cache.cache_finished(req.tokens(0, req.kv_len), row[: req.kv_len].long(), req.prefix)
+    cache.cache_finished(req.cache_tokens(req.kv_len), row[: req.kv_len].long(), req.prefix)
     req_to_token_pool.free(req.req_pool_idx)
     req.req_pool_idx, req.prefix, req.kv_len, req.swa_freed_upto = None, None, 0, 0
 

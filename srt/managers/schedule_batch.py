@@ -17,6 +17,7 @@ import torch
 from srt.forward.forward_batch import ForwardBatch, ForwardMode
 from srt.managers.io_struct import FinishReason, TokenizedGenerateReq, TokenLogprob
 from srt.mem_cache.base_prefix_cache import MatchResult
+from srt.multimodal.inputs import multimodal_batch
 from srt.sampling.grammar import RequestGrammar
 from srt.sampling.sampler import make_generator
 
@@ -71,6 +72,12 @@ class Req:
         if start >= split:
             return self.output_ids[start - split : stop - split]
         return self.prompt_ids[start:stop] + self.output_ids[: max(0, stop - split)]
+
+    def cache_tokens(self, stop: int) -> list[int]:
+        """The prefix-cache key of all_ids[:stop]: image placeholders stand for their image's content hash."""
+        ids = self.tokens(0, stop)
+        mm = self.params.mm_inputs
+        return ids if mm is None else mm.cache_key(ids)
 
     @property
     def to_compute(self) -> int:
@@ -141,6 +148,10 @@ class ScheduleBatch:
         )
         # a verify step (decode rows, some with drafts): a few rows per request, each attending alone
         batch.attend_row_by_row = all(item.decode for item in self.items) and any(i.num_drafts for i in self.items)
+        items = self.items
+        if any(item.req.params.mm_inputs is not None for item in items):
+            spans = [(item.req.params.mm_inputs, item.req.kv_len, item.req.kv_len + item.num_tokens) for item in items]
+            batch.mm = multimodal_batch(spans)
         return batch
 
 

@@ -13,7 +13,7 @@ def order_waiting(waiting: list[Req], policy: str, cache: PrefixCache) -> list[R
     sharing a prefix run while it is still cached."""
     if policy == "fcfs" or len(waiting) <= 1:
         return list(waiting)
-    prefix_lens = {id(req): cache.match_prefix(req.tokens(0, req.num_tokens - 1)).prefix_len for req in waiting}
+    prefix_lens = {id(req): cache.match_prefix(req.cache_tokens(req.num_tokens - 1)).prefix_len for req in waiting}
     return sorted(waiting, key=lambda req: -prefix_lens[id(req)])
 
 

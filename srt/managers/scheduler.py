@@ -53,6 +53,7 @@ from srt.mem_cache.base_prefix_cache import PrefixCache
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.swa_radix_cache import SWARadixCache
 from srt.model_executor.model_runner import ModelRunner
+from srt.multimodal.chunking import chunk_without_split_image
 from srt.sampling.batch_sampler import BatchSampler
 from srt.sampling.grammar import GrammarMatchers
 from srt.sampling.sampler import SamplingBatch, make_generator
@@ -196,7 +197,7 @@ class Scheduler:
         items: list[ScheduledReq] = []
         chunked = [req for req in self.running if req.to_compute > 1]  # at most one: a prefill in progress
         for req in chunked:
-            num = budget.fit(req.to_compute)
+            num = self._whole_images(req, budget.fit(req.to_compute))
             if num == 0 or not self._make_room(num + len(self.running) + self._draft_tokens):
                 return None
             items.append(self._scheduled(req, num))
@@ -214,9 +215,9 @@ class Scheduler:
         limit = req.num_tokens - 1  # at least one token must run: its logits are needed
         if req.wants_prompt_logprobs:
             limit = min(limit, req.prompt_logprob_first_row())
-        match = self.cache.match_prefix(req.tokens(0, limit))
+        match = self.cache.match_prefix(req.cache_tokens(limit))
         pending = req.num_tokens - match.prefix_len
-        num = budget.fit(pending) if budget.requests > 0 else 0
+        num = self._whole_images(req, budget.fit(pending), match.prefix_len) if budget.requests > 0 else 0
         if num == 0 or (num < pending and (chunked or any(item.num_tokens < item.req.to_compute for item in items))):
             return False  # one chunked request at a time
         self.cache.lock(match.node)  # before evicting, so room is not made out of this very prefix
@@ -235,6 +236,13 @@ class Scheduler:
         items.append(self._scheduled(req, num))
         budget.take(num)
         return True
+
+    def _whole_images(self, req: Req, num: int, start: int | None = None) -> int:
+        """`num` tokens from `start` (req.kv_len), or fewer so that no image is split across chunks, where image
+        tokens attend to each other both ways (multimodal/chunking.py)."""
+        if not num or req.params.mm_inputs is None or not self.runner.model_config.bidirectional_images:
+            return num
+        return chunk_without_split_image(req.params.mm_inputs, req.kv_len if start is None else start, num)
 
     def _scheduled(self, req: Req, num: int) -> ScheduledReq:
         completes = num == req.to_compute

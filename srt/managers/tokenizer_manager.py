@@ -35,6 +35,7 @@ from srt.managers.io_struct import (
 )
 from srt.managers.ipc import PortArgs, socket
 from srt.managers.metrics import ServerMetrics
+from srt.multimodal.image_prompts import ImagePrompts
 from srt.sampling.grammar import GrammarCompiler, check_grammar, tokenizer_info
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
@@ -103,6 +104,7 @@ class TokenizerManager:
         self.bos_text = tokenizer.bos_token or ""
         # a generous bound on characters per token: the longest vocabulary piece, twice over (normalizers)
         self.max_token_chars = 2 * max(map(len, tokenizer.get_vocab()), default=1)
+        self.image_prompts = ImagePrompts(server_args, tokenizer)
         self.model_name = server_args.served_model_name or server_args.model_path
         self.metrics = ServerMetrics(self.model_name)
         self.check_children = check_children
@@ -151,8 +153,10 @@ class TokenizerManager:
 
     def tokenize(self, single: SingleReq, add_special_tokens: bool = True) -> TokenizedGenerateReq:
         """Tokenize and check one request; ValueError naming the bad field."""
-        ids = single.input_ids
-        if ids is None:
+        ids, mm = single.input_ids, None
+        if single.image_data:
+            ids, mm = self.image_prompts.tokenize(single, add_special_tokens)
+        elif ids is None:
             ids = self.encode_text(single.text, add_special_tokens)
         vocab, context = self.info.vocab_size, self.info.context_len
         if any(not 0 <= tok < vocab for tok in ids):
@@ -187,6 +191,7 @@ class TokenizerManager:
             return_logprob=single.return_logprob,
             logprob_start_len=start if single.return_logprob else None,
             top_logprobs_num=single.top_logprobs_num if single.return_logprob else 0,
+            mm_inputs=mm,
         )
 
     def prepare(self, obj: GenerateReqInput) -> list[TokenizedGenerateReq]:

@@ -21,6 +21,7 @@ from srt.model_executor.cuda_graph_runner import DecodeGraphs, SharedLayerGraphs
 from srt.model_executor.draft_graphs import DraftGraphs
 from srt.model_executor.extend_graphs import ExtendGraphs, default_token_counts
 from srt.model_loader.loader import load_model
+from srt.models.gemma4_mm import Gemma4ForConditionalGeneration
 from srt.server_args import ServerArgs
 from srt.speculative.assistant_loader import load_assistant
 from srt.speculative.frozen_kv_mtp import DraftRequests, FrozenKVDrafter
@@ -58,6 +59,12 @@ class ModelRunner:
         self.model = load_model(
             self.model_config, model_path, load_format, self.dtype, self.device, seed=server_args.seed
         )
+        if isinstance(self.model, Gemma4ForConditionalGeneration):
+            self.model.configure_encoder(
+                server_args.mm_encoder_budget_mb << 20,
+                server_args.mm_embedding_cache_tokens,
+                batched=not server_args.disable_batched_mm_encoder,
+            )
         # the MTP assistant (--speculative-draft-model-path): checked against the target before pools are sized
         self.drafter: FrozenKVDrafter | None = None
         if server_args.speculative_algorithm == "FROZEN_KV_MTP":
@@ -159,9 +166,10 @@ class ModelRunner:
         """
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self.decode_graphs(batch)
-        if self.verify_graphs is not None and self.verify_graphs.can_run(batch):
+        # a batch with image rows runs eagerly: its embeddings come from the vision tower, outside any graph
+        if batch.mm is None and self.verify_graphs is not None and self.verify_graphs.can_run(batch):
             output = self.verify_graphs(batch)
-        elif self.extend_graphs is not None and self.extend_graphs.can_run(batch):
+        elif batch.mm is None and self.extend_graphs is not None and self.extend_graphs.can_run(batch):
             output = self.extend_graphs(batch)
         else:
             output = self.model(batch, self.attn_backend)

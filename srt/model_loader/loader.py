@@ -7,6 +7,7 @@ loading never holds two copies of the weights.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -14,8 +15,11 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from srt.configs.model_config import ModelConfig
-from srt.model_loader.weight_names import to_param_name
+from srt.model_loader.weight_names import AUDIO_PREFIXES, to_param_name
 from srt.models.gemma4 import Gemma4ForCausalLM
+from srt.models.gemma4_mm import Gemma4ForConditionalGeneration
+
+logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
@@ -42,8 +46,9 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> Gemma4ForCausalLM:
     """An uninitialised model with every parameter allocated on `device` in `dtype`."""
+    model_class = Gemma4ForConditionalGeneration if config.vision_config is not None else Gemma4ForCausalLM
     with torch.device("meta"):
-        model = Gemma4ForCausalLM(config)
+        model = model_class(config)
     return model.to(dtype=dtype).to_empty(device=device).eval()
 
 
@@ -75,6 +80,7 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
     state = model.state_dict()
     loaded: set[str] = set()
     unexpected, mis_shaped = [], []
+    audio = 0
     files = safetensors_files(model_path)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     total = sum(len(h.keys()) for h in handles)
@@ -82,6 +88,7 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
         for handle in handles:
             for checkpoint_name in handle.keys():
                 progress.update(1)
+                audio += checkpoint_name.startswith(AUDIO_PREFIXES)
                 name = to_param_name(checkpoint_name, config)
                 if name is None:
                     continue
@@ -94,6 +101,8 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
                     continue
                 state[name].copy_(tensor)
                 loaded.add(name)
+    if audio:
+        logger.info("skipped %d audio tensors of %s: srt does not serve audio input yet", audio, model_path)
     missing = sorted(set(state) - loaded)
     problems = []
     if missing:
@@ -114,7 +123,9 @@ def fill_dummy_weights(model: Gemma4ForCausalLM, seed: int) -> None:
     """
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, tensor in tqdm(list(model.state_dict().items()), desc="Dummy weights", unit="tensor", disable=None):
-        if "norm" in name or name.endswith(("layer_scalar", "scale")):
+        if name.endswith(("_min", "_max")):  # clipping ranges of the vision tower's linears: clip nothing
+            tensor.fill_(float("-inf") if name.endswith("_min") else float("inf"))
+        elif "norm" in name or name.endswith(("layer_scalar", "scale")):
             tensor.fill_(1.0)
         else:
             tensor.normal_(0.0, 0.02, generator=generator)

@@ -1,7 +1,8 @@
 """Mapping checkpoint tensor names to srt's parameter names.
 
 srt keeps Hugging Face names. Multimodal `gemma4` checkpoints nest the text model under
-`model.language_model.`; their vision/audio towers are not part of the text model.
+`model.language_model.`; their vision tower and image embedder load into `vision_tower.` and `embed_vision.`
+of `Gemma4ForConditionalGeneration` (when the model has them); audio is not supported yet and is skipped.
 """
 
 from __future__ import annotations
@@ -11,14 +12,17 @@ import re
 from srt.configs.model_config import ModelConfig
 
 _MULTIMODAL_TEXT_PREFIX = "model.language_model."
-_NON_TEXT_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.")
+_VISION_PREFIXES = ("model.vision_tower.", "model.embed_vision.")
+AUDIO_PREFIXES = ("model.audio_tower.", "model.embed_audio.")
 _SHARED_KV_WEIGHT = re.compile(r"model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.")
 
 
 def to_param_name(checkpoint_name: str, config: ModelConfig) -> str | None:
-    """The parameter a checkpoint tensor loads into, or None for tensors the text model does not use."""
-    if checkpoint_name.startswith(_NON_TEXT_PREFIXES):
+    """The parameter a checkpoint tensor loads into, or None for tensors the model does not use."""
+    if checkpoint_name.startswith(AUDIO_PREFIXES):
         return None
+    if checkpoint_name.startswith(_VISION_PREFIXES):
+        return checkpoint_name.removeprefix("model.") if config.vision_config is not None else None
     name = checkpoint_name
     if name.startswith(_MULTIMODAL_TEXT_PREFIX):
         name = "model." + name[len(_MULTIMODAL_TEXT_PREFIX) :]

@@ -39,6 +39,7 @@ from srt.layers.linear import store_transposed
 from srt.layers.logits_processor import LogitsOutput, compute_logits
 from srt.layers.rotary import RotaryEmbedding
 from srt.models.gemma4_layers import Gemma4Attention, Gemma4DecoderLayer, Gemma4MLP
+from srt.multimodal.inputs import ImageEmbeds
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +107,18 @@ class Gemma4TextModel(nn.Module):
             input_ids,
         )
 
-    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Scaled token embeddings and, on PLE checkpoints, the per-layer inputs of every layer."""
+    def embed(
+        self, input_ids: torch.Tensor, images: ImageEmbeds | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Scaled token embeddings and, on PLE checkpoints, the per-layer inputs of every layer.
+
+        `images`: rows that take image embeddings. As in transformers, their per-layer inputs combine the pad
+        token's per-layer row with the projection of the image embedding."""
+        if images is not None:
+            input_ids = input_ids.index_fill(0, images.rows, self.config.hf_text_config.pad_token_id)
         hidden = self.embed_tokens(input_ids)
+        if images is not None:
+            hidden = hidden.index_copy(0, images.rows, images.embeddings.to(hidden.dtype))
         return hidden, self.per_layer_inputs(input_ids, hidden) if self.ple_dim else None
 
     def run_layers(
@@ -139,9 +149,12 @@ class Gemma4TextModel(nn.Module):
         hidden = self.run_layers(hidden, per_layer, batch, backend, range(self.yoco_layer, len(self.layers)))
         return self.norm(hidden)
 
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> TextModelOutput:
-        """Final-norm hidden states of the batch's logits rows; attention metadata must be built for `batch`."""
-        hidden, per_layer = self.embed(batch.input_ids)
+    def forward(
+        self, batch: ForwardBatch, backend: AttentionBackend, images: ImageEmbeds | None = None
+    ) -> TextModelOutput:
+        """Final-norm hidden states of the batch's logits rows; attention metadata must be built for `batch`.
+        `images`: the batch's image rows and their embeddings (multimodal checkpoints)."""
+        hidden, per_layer = self.embed(batch.input_ids, images)
         all_rows = batch.every_row_is_a_logits_row
         if self.yoco_layer is None or all_rows:
             # with every row needed (decode, verify, all prompt logprobs) YOCO has nothing to save
@@ -196,9 +209,11 @@ class Gemma4ForCausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> LogitsOutput:
+    def forward(
+        self, batch: ForwardBatch, backend: AttentionBackend, images: ImageEmbeds | None = None
+    ) -> LogitsOutput:
         backend.init_forward_metadata(batch)
-        hidden, skipped = self.model(batch, backend)
+        hidden, skipped = self.model(batch, backend, images)
         softcap = self.config.hf_text_config.final_logit_softcapping
         logits = compute_logits(hidden, self.lm_head_weight, softcap)
         return LogitsOutput(logits.logits, hidden, skipped, logits.greedy_ids)

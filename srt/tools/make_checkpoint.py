@@ -3,6 +3,7 @@
     python -m srt.tools.make_checkpoint --preset tiny-gemma-4-E4B-it --out /tmp/tiny-e4b [--seed 0]
         [--dtype float32|bfloat16] [--max-shard-size 200KB]
     python -m srt.tools.make_checkpoint --preset tiny-gemma-4-E4B-it-assistant --out /tmp/tiny-e4b-assistant
+    python -m srt.tools.make_checkpoint --preset tiny-gemma-4-E4B-it --multimodal --out /tmp/tiny-e4b-mm
 
 The directory holds config.json (`Gemma4TextConfig`, model_type `gemma4_text`), safetensors weights (sharded
 with `model.safetensors.index.json` when `--max-shard-size` is small), generation_config.json and a byte-level
@@ -13,21 +14,31 @@ BPE tokenizer with Gemma 4's special tokens and chat template (see `tokenizer_bu
 Transformers' own init leaves norms at 1, `layer_scalar` at 1 and router scales at 1, which would let a
 serving implementation that ignores any of them still match the reference. Every parameter and persistent
 buffer is therefore re-drawn from a seeded generator, so the same preset and seed give byte-identical weights.
+
+`--multimodal` writes the shape every published checkpoint has: `Gemma4ForConditionalGeneration` (config
+`Gemma4Config`, model_type `gemma4`, a tiny vision tower with the preset's structure, no audio tower), plus the
+image processor's files (`preprocessor_config.json`, `processor_config.json`), so transformers' image processor
+and `AutoModelForImageTextToText` load it as they load a published one.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM, GenerationConfig
+from transformers import Gemma4AssistantForCausalLM, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, GenerationConfig
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 from transformers.models.gemma4.modeling_gemma4 import (
+    Gemma4ClippableLinear,
     Gemma4RMSNorm,
     Gemma4TextDecoderLayer,
     Gemma4TextExperts,
     Gemma4TextRouter,
+    Gemma4VisionModel,
+    Gemma4VisionPatchEmbedder,
 )
 from transformers.models.gemma4_assistant.modeling_gemma4_assistant import Gemma4AssistantMaskedEmbedder
 
@@ -45,19 +56,31 @@ LINEAR_STD = 0.08
 ROUTER_STD = 2.0
 NORM_WEIGHT_STD = 0.1  # RMSNorm multiplies by `weight` directly: weight = 1 + N(0, 0.1)
 SCALAR_RANGE = (0.5, 1.5)  # layer_scalar, router scale and per-expert scale: uniform, positive, around 1
+# Clipping ranges of the vision tower's linears (E2B, E4B): narrow enough that some inputs and outputs clip, so a
+# tower that ignores them fails the comparison.
+CLIP_INPUT_RANGE = (1.5, 2.5)
+CLIP_OUTPUT_RANGE = (0.4, 0.8)
+STD_BIAS_STD = 1.0  # standardization of pooled soft tokens (26B-A4B, 31B): bias ~ the pooled values' spread
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def make_checkpoint(
-    preset: str, out: str | Path, seed: int = 0, dtype: str = "float32", max_shard_size: str | None = None
+    preset: str,
+    out: str | Path,
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size: str | None = None,
+    multimodal: bool = False,
 ) -> Path:
-    """Build the tiny checkpoint of `preset` in directory `out` (created if needed) and return its path."""
+    """Build the tiny checkpoint of `preset` in directory `out` (created if needed) and return its path;
+    `multimodal`: a `Gemma4ForConditionalGeneration` with a vision tower and the image processor's files."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     if presets.is_assistant_preset(preset):
         return make_assistant_checkpoint(preset, out, seed, dtype, max_shard_size)
-    config = presets.preset_text_config(preset)
+    full_config = presets.preset_config(preset) if multimodal else None
+    config = full_config.text_config if full_config is not None else presets.preset_text_config(preset)
     _require_tiny(preset, config.vocab_size)
     ids = tokenizer_builder.special_token_ids(config.vocab_size)
     config.pad_token_id, config.bos_token_id = ids[tokenizer_builder.PAD], ids[tokenizer_builder.BOS]
@@ -67,7 +90,15 @@ def make_checkpoint(
     config.eos_token_id = [end_of_text, end_of_turn]
 
     torch.manual_seed(seed)
-    out = _save_random(Gemma4ForCausalLM(config), out, seed, dtype, max_shard_size)
+    if full_config is not None:
+        full_config.pad_token_id, full_config.bos_token_id = config.pad_token_id, config.bos_token_id
+        full_config.eos_token_id = config.eos_token_id
+        model = Gemma4ForConditionalGeneration(full_config)
+    else:
+        model = Gemma4ForCausalLM(config)
+    out = _save_random(model, out, seed, dtype, max_shard_size)
+    if full_config is not None:
+        _save_image_processor(out)
     GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=[end_of_text, end_of_turn, ids[tokenizer_builder.TOOL_RESPONSE]],
@@ -87,6 +118,19 @@ def make_assistant_checkpoint(
     _require_tiny(preset, config.text_config.vocab_size)
     torch.manual_seed(seed)
     return _save_random(Gemma4AssistantForCausalLM(config), out, seed, dtype, max_shard_size)
+
+
+def _save_image_processor(out: Path) -> None:
+    """The image processor's config (its defaults: 280 soft tokens per image, 16-pixel patches, 3x3 pooling) and
+    the processor's, in the layout of the published checkpoints."""
+    image_processor = Gemma4ImageProcessorPil()
+    image_processor.save_pretrained(out)
+    processor = {
+        "processor_class": "Gemma4Processor",
+        "image_seq_length": image_processor.max_soft_tokens,
+        "image_processor": image_processor.to_dict(),
+    }
+    (out / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
 
 
 def _require_tiny(preset: str, vocab_size: int) -> None:
@@ -145,6 +189,16 @@ def randomize_weights(model: nn.Module, seed: int) -> None:
             normal_(module.down_proj, LINEAR_STD)
         elif isinstance(module, Gemma4TextDecoderLayer):
             uniform_(module.layer_scalar, *SCALAR_RANGE)
+        elif isinstance(module, Gemma4ClippableLinear) and module.use_clipped_linears:
+            uniform_(module.input_max, *CLIP_INPUT_RANGE)
+            uniform_(module.input_min, -CLIP_INPUT_RANGE[1], -CLIP_INPUT_RANGE[0])
+            uniform_(module.output_max, *CLIP_OUTPUT_RANGE)
+            uniform_(module.output_min, -CLIP_OUTPUT_RANGE[1], -CLIP_OUTPUT_RANGE[0])
+        elif isinstance(module, Gemma4VisionPatchEmbedder):
+            normal_(module.position_embedding_table, EMBED_STD)
+        elif isinstance(module, Gemma4VisionModel) and module.config.standardize:
+            normal_(module.std_bias, STD_BIAS_STD)
+            uniform_(module.std_scale, *SCALAR_RANGE)
         elif isinstance(module, Gemma4AssistantMaskedEmbedder):
             # which vocabulary ids make up each centroid's cluster: a seeded permutation, as trained ones are
             module.token_ordering.copy_(torch.randperm(module.vocab_size, generator=generator))
@@ -172,8 +226,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--max-shard-size", default=None, help="e.g. 200KB; shards the safetensors weights")
+    parser.add_argument(
+        "--multimodal", action="store_true", help="Gemma4ForConditionalGeneration with a vision tower (as published)"
+    )
     args = parser.parse_args(argv)
-    path = make_checkpoint(args.preset, args.out, args.seed, args.dtype, args.max_shard_size)
+    path = make_checkpoint(args.preset, args.out, args.seed, args.dtype, args.max_shard_size, args.multimodal)
     print(f"wrote {args.preset} (seed {args.seed}, {args.dtype}) to {path}")
 
 

@@ -24,6 +24,8 @@ class _RequestRows:
     seq_len: int  # tokens with KV (every query row sees at most these)
     min_position: int  # smallest query position: the sliding window's lower bound comes from it
     positions: torch.Tensor  # [num_rows] query positions
+    # (first, end) positions of each image whose tokens attend to each other both ways (sliding layers only)
+    image_spans: tuple[tuple[int, int], ...] = ()
 
 
 class TorchNativeAttentionBackend(AttentionBackend):
@@ -31,6 +33,8 @@ class TorchNativeAttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         positions_cpu = batch.positions.tolist()
+        mm = batch.mm
+        spans = mm.request_spans if mm is not None and mm.bidirectional else [[]] * batch.batch_size
         requests, row = [], 0
         for i, num_rows in enumerate(batch.extend_seq_lens_cpu):
             if num_rows:
@@ -42,6 +46,7 @@ class TorchNativeAttentionBackend(AttentionBackend):
                         seq_len=batch.seq_lens_cpu[i],
                         min_position=min(positions_cpu[row : row + num_rows]),
                         positions=batch.positions[row : row + num_rows],
+                        image_spans=tuple(spans[i]),
                     )
                 )
             row += num_rows
@@ -65,6 +70,8 @@ class TorchNativeAttentionBackend(AttentionBackend):
             q_positions = req.positions[:, None]
             mask = kv_positions[None, :] <= q_positions
             if layer.sliding_window is not None:
+                for first, end in req.image_spans:  # transformers: AND(window, OR(causal, same image))
+                    mask |= _inside(kv_positions[None, :], first, end) & _inside(q_positions, first, end)
                 mask &= kv_positions[None, :] > q_positions - layer.sliding_window
             query = q[req.row_start : req.row_start + req.num_rows].transpose(0, 1).unsqueeze(0)
             attended = F.scaled_dot_product_attention(
@@ -72,3 +79,7 @@ class TorchNativeAttentionBackend(AttentionBackend):
             )
             out[req.row_start : req.row_start + req.num_rows] = attended[0].transpose(0, 1)
         return out
+
+
+def _inside(positions: torch.Tensor, first: int, end: int) -> torch.Tensor:
+    return (positions >= first) & (positions < end)

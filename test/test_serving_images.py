@@ -1,0 +1,148 @@
+"""Images through the HTTP server and the real `openai` client: a base64 data: URL and a local file in chat
+messages give exactly the tokens of the same request run in-process; every bad image answers 400 naming the
+problem, and the server keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import openai
+import pytest
+from mm_fixtures import IMAGE, processor_of, seeded_image
+from PIL import Image
+from serving_fixtures import MODEL_ARGS, start_server
+from torch_threads import one_torch_thread
+from transformers import AutoTokenizer
+
+from srt.managers.inprocess import run_to_completion
+from srt.managers.io_struct import TokenizedGenerateReq
+from srt.managers.scheduler import Scheduler
+from srt.model_executor.model_runner import ModelRunner
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+from srt.tools.make_checkpoint import make_checkpoint
+
+CONTEXT = 2048
+MAX_TOKENS = 6
+
+
+def png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_checkpoint("tiny-gemma-4-E4B-it", tmp_path_factory.mktemp("mm-serving"), multimodal=True)
+
+
+@pytest.fixture(scope="module")
+def media(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "photo.png").write_bytes(png_bytes(seeded_image(80, 64, seed=2)))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model, media, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serving-images") / "server.log"
+    server = start_server(model, log, "--context-length", str(CONTEXT), "--allowed-local-media-path", str(media))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def chat(client, model, parts: list[dict]) -> str:
+    reply = client.chat.completions.create(
+        model=str(model), messages=[{"role": "user", "content": parts}], max_tokens=MAX_TOKENS, temperature=0.0
+    )
+    return reply.choices[0].message.content
+
+
+def in_process_text(model, text_parts: list[str], images: list[Image.Image]) -> str:
+    """The same chat run by a Scheduler in this process (same model arguments): the expected reply."""
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    content = [{"type": "image"} if part == IMAGE else {"type": "text", "text": part} for part in text_parts]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+    )
+    ids, mm = processor_of(model).process(prompt, images, add_special_tokens=False)
+    args = ServerArgs(model_path=str(model), **{**MODEL_ARGS, "context_length": CONTEXT})
+    with one_torch_thread():
+        scheduler = Scheduler(args, ModelRunner(args))
+        params = SamplingParams(temperature=0.0, max_new_tokens=MAX_TOKENS)
+        result = run_to_completion(scheduler, [TokenizedGenerateReq("ref", ids, params, mm_inputs=mm)])["ref"]
+    return tokenizer.decode(result.output_ids, skip_special_tokens=True)
+
+
+def test_chat_with_a_data_url_and_a_local_file(client, model, media) -> None:
+    image = seeded_image(96, 64, seed=1)
+    parts = [
+        {"type": "text", "text": "What is in"},
+        {"type": "image_url", "image_url": {"url": data_url(png_bytes(image))}},
+        {"type": "text", "text": "and in"},
+        {"type": "image_url", "image_url": {"url": f"file://{media / 'photo.png'}"}},
+    ]
+    expected = in_process_text(model, ["What is in", IMAGE, "and in", IMAGE], [image, Image.open(media / "photo.png")])
+    assert chat(client, model, parts) == expected
+
+
+def bad_images(media) -> dict[str, tuple[str, str]]:
+    """name -> (image URL, a phrase the 400 must contain)."""
+    good = png_bytes(seeded_image(64, 64, seed=3))
+    huge = io.BytesIO()
+    Image.new("1", (9000, 8000)).save(huge, format="PNG")  # 72M pixels, a small file
+    outside = media.parent / "outside.png"
+    outside.write_bytes(good)
+    return {
+        "not an image": (data_url(b"this is text, not a picture"), "cannot be decoded"),
+        "truncated": (data_url(good[: len(good) // 2]), "cannot be decoded"),
+        "too large": (data_url(huge.getvalue()), "too large"),
+        "http url": ("http://127.0.0.1:9/nothing.png", "not supported"),
+        "outside the allowed folder": (f"file://{outside}", "outside --allowed-local-media-path"),
+        "missing file": (f"file://{media / 'missing.png'}", "does not exist"),
+        "bad base64": ("data:image/png;base64,@@@@", "not valid base64"),
+    }
+
+
+def test_bad_images_answer_400_and_the_server_keeps_serving(server, client, model, media) -> None:
+    for name, (url, phrase) in bad_images(media).items():
+        parts = [{"type": "text", "text": "Look"}, {"type": "image_url", "image_url": {"url": url}}]
+        with pytest.raises(openai.BadRequestError) as caught:
+            chat(client, model, parts)
+        assert phrase in str(caught.value), name
+    # more images than placeholders, on the native route
+    body = {"text": "no placeholder here", "image_data": [data_url(png_bytes(seeded_image(64, 64, 4)))]}
+    reply = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+    assert reply.status_code == 400 and "1 images were sent" in reply.text
+    # still serving, images included
+    image = seeded_image(64, 80, seed=5)
+    parts = [{"type": "image_url", "image_url": {"url": data_url(png_bytes(image))}}]
+    assert chat(client, model, parts) == in_process_text(model, [IMAGE], [image])
+
+
+def test_generate_with_image_data_and_a_soft_token_budget(server, model) -> None:
+    image = seeded_image(96, 96, seed=6)
+    body = {
+        "text": f"Tell me about {IMAGE}",
+        "image_data": [data_url(png_bytes(image))],
+        "mm_processor_kwargs": {"max_soft_tokens": 70},
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+    }
+    reply = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+    ids, _ = processor_of(model).process(body["text"], [image], mm_processor_kwargs={"max_soft_tokens": 70})
+    assert reply["meta_info"]["prompt_tokens"] == len(ids)
+    bad = {**body, "mm_processor_kwargs": {"max_soft_tokens": 100}}
+    reply = httpx.post(f"{server.url}/generate", json=bad, timeout=60)
+    assert reply.status_code == 400 and "max_soft_tokens" in reply.text
