@@ -41,6 +41,10 @@ def mtp_scheduler(tiny_checkpoint, variant: str = "E4B", **overrides) -> Schedul
     )
 
 
+def pools_of(runner) -> tuple:
+    return runner.req_to_token_pool, runner.kv_pool
+
+
 def knowing_drafter(scheduler: Scheduler, continuations: dict[str, list[int]], vocab_size: int) -> list[int]:
     """Replace the assistant with drafts from each request's known greedy continuation (prompt + output
     alone), right for a number of leading drafts that varies by request and round; returns the right counts."""
@@ -59,6 +63,7 @@ def knowing_drafter(scheduler: Scheduler, continuations: dict[str, list[int]], v
         return torch.tensor(rows, dtype=torch.int64, device=scheduler.runner.device)
 
     scheduler.runner.draft = draft
+    scheduler.runner.draft_ahead = lambda *args: None  # every round asks `draft`
     return right_counts
 
 
@@ -192,6 +197,7 @@ def test_sampling_with_mtp_keeps_the_targets_distribution(tiny_checkpoint) -> No
     scheduler.runner.draft = lambda requests: torch.tensor(
         [[likeliest[t1]] * K for t1 in requests.last_token_ids.tolist()], dtype=torch.int64
     )
+    scheduler.runner.draft_ahead = lambda *args: None
     params = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True)
     requests = [TokenizedGenerateReq(str(i), prompt, params) for i in range(600)]
     results = run_to_completion(scheduler, requests)
@@ -247,18 +253,29 @@ def test_padded_draft_and_verify_steps_change_nothing(tiny_checkpoint) -> None:
     padded_draft = runner.draft
 
     def draft_both_ways(requests: DraftRequests) -> torch.Tensor:
-        plain_drafts = runner.drafter.draft(requests, runner.req_to_token_pool, runner.kv_pool, runner.attn_backend)
+        plain_drafts = runner.drafter.draft(requests, *pools_of(runner), runner.attn_backend)
         drafts = padded_draft(requests)
         rounds.append((drafts.clone(), plain_drafts))
         return drafts
 
     runner.draft = draft_both_ways
+    ahead = []
+    draft_ahead = runner.draft_ahead
+
+    def draft_ahead_both_ways(newest, hidden, kv_lens, rows):
+        drafts = draft_ahead(newest, hidden, kv_lens, rows)
+        plain = DraftRequests(newest, hidden, kv_lens.tolist(), rows)
+        ahead.append(torch.equal(drafts, runner.drafter.draft(plain, *pools_of(runner), runner.attn_backend)))
+        return drafts
+
+    runner.draft_ahead = draft_ahead_both_ways
     verify_tokens: list[int] = []
     spy_on_steps(runner.verify_graphs.steps, verify_tokens)
     results = run_to_completion(scheduler, requests)
     assert {rid: result.output_ids for rid, result in results.items()} == expected
     assert any(len(drafts) == 3 for drafts, _ in rounds)
     assert all(torch.equal(padded, plain) for padded, plain in rounds)
+    assert ahead and all(ahead)  # each verify step drafted the next round before the host read it
     assert 4 * (K + 1) in verify_tokens  # 3 requests verify in the step of 4
     assert_idle_and_consistent(scheduler)
 

@@ -98,6 +98,9 @@ class Scheduler:
         self.accept_counts = [0] * (self.drafter.num_steps + 1 if self.drafter else 1)
         self._verify_sampling: tuple[list[Req], SamplingBatch] | None = None
         self._draft_tokens = 0  # drafts of the decode items of the step being scheduled
+        # the next round's drafts, launched right after a verify step (requests, drafts, their KV lengths once
+        # the step is read): used when the next step verifies the same requests
+        self._drafts_ahead: tuple[list[Req], torch.Tensor, list[int] | None] | None = None
         self.eos_ids = set(self.runner.eos_token_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
@@ -333,6 +336,10 @@ class Scheduler:
                 verify_reqs, [item.num_drafts for item in verify_items], verify_rows, drafts, logits,
                 output.greedy_ids, output.hidden_states, self._verify_sampling_of(verify_reqs), self.accept_len,
             )  # fmt: skip
+        if verify is not None:
+            rows = [req.req_pool_idx for req in verify.reqs]
+            ahead = self.runner.draft_ahead(verify.next_newest, verify.next_hidden, verify.next_kv_lens, rows)
+            self._drafts_ahead = None if ahead is None else (verify.reqs, ahead, None)
         if self.drafter is not None and sampled_reqs:
             # the next round drafts from the hidden state that sampled each request's newest token
             for req, hidden in zip(sampled_reqs, output.hidden_states[sample_rows], strict=True):
@@ -353,6 +360,9 @@ class Scheduler:
             pools = (self.req_to_token_pool, self.allocator)
             for num in launched.verify.apply(self.eos_ids, self.runner.context_len, *pools, self.sliding_window):
                 self.accept_counts[num] += 1
+            if self._drafts_ahead is not None and self._drafts_ahead[0] is launched.verify.reqs:
+                reqs, drafts, _ = self._drafts_ahead
+                self._drafts_ahead = (reqs, drafts, [req.kv_len for req in reqs])
         if self.drafter is not None:
             # a speculating request's last tokens, with nothing left to draft, are rounds of their own
             for item in launched.batch.items:
@@ -399,7 +409,13 @@ class Scheduler:
         return sample_tokens(sampler, logits, greedy_ids)
 
     def _draft(self, reqs: list[Req]) -> torch.Tensor:
-        """[reqs, K] drafts from each request's newest token and the hidden state that sampled it."""
+        """[reqs, K] drafts from each request's newest token and the hidden state that sampled it; those the
+        step before launched for the same requests in the same state, when it did."""
+        ahead, self._drafts_ahead = self._drafts_ahead, None
+        if ahead is not None and ahead[2] is not None and len(ahead[0]) == len(reqs):
+            same = all(a is b and a.kv_len == n for a, b, n in zip(ahead[0], reqs, ahead[2], strict=True))
+            if same:
+                return ahead[1]
         device = self.runner.device
         newest = torch.tensor([req.output_ids[-1] for req in reqs], dtype=torch.int64).to(device, non_blocking=True)
         hidden = torch.stack([req.draft_hidden for req in reqs])

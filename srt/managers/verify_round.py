@@ -65,6 +65,11 @@ class VerifyRound:
     copies: DeviceToHost  # num accepted, tokens, then logprobs and top-k ids and values where asked for
     has_logprobs: bool
     top_logprobs_num: int
+    # each request's state for its next round, on the device, before the host has read anything: its newest
+    # token and its KV length (exact unless a stop ends it, and then it has no next round)
+    next_newest: torch.Tensor
+    next_hidden: torch.Tensor
+    next_kv_lens: torch.Tensor
 
     @classmethod
     def launch(
@@ -109,7 +114,12 @@ class VerifyRound:
             if top_num:
                 top = top_logprobs(row_logits, top_num)
                 tensors += [top.ids.view(len(reqs), k + 1, -1), top.values.view(len(reqs), k + 1, -1)]
-        return cls(reqs, num_drafts, accepted, DeviceToHost(tensors), has_logprobs, top_num)
+        next_newest = accepted.tokens.gather(1, accepted.num_accepted[:, None])[:, 0]
+        # each kv_len already counts all its verify rows; the kept ones are the newest token and n drafts
+        launched = torch.tensor([req.kv_len - n for req, n in zip(reqs, num_drafts, strict=True)], device=device)
+        next_kv_lens = launched + accepted.num_accepted
+        copies = DeviceToHost(tensors)
+        return cls(reqs, num_drafts, accepted, copies, has_logprobs, top_num, next_newest, hidden, next_kv_lens)
 
     def apply(
         self,

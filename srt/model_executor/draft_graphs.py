@@ -44,18 +44,33 @@ class DraftGraphs(OneRowPerRequestSteps):
 
     def __call__(self, requests: DraftRequests) -> torch.Tensor:
         """[batch, K] drafts, as `FrozenKVDrafter.draft` gives them."""
-        batch_size = len(requests.kv_lens)
         device = self.inputs.device
         lens_and_rows = torch.tensor([requests.kv_lens, requests.req_pool_indices], dtype=torch.int64)
         kv_lens, rows = lens_and_rows.to(device, non_blocking=True)
+        return self.on_device(requests.last_token_ids, requests.backbone_hidden, kv_lens, rows, requests.kv_lens)
+
+    def on_device(
+        self,
+        newest: torch.Tensor,
+        hidden: torch.Tensor,
+        kv_lens: torch.Tensor,
+        rows: torch.Tensor,
+        kv_lens_cpu: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Drafts from device tensors (a round launched before the host read the last one's counts);
+        `kv_lens_cpu` only matters to eager steps (CPU tests), which read it from `kv_lens` when not given."""
+        batch_size = len(rows)
+        if kv_lens_cpu is None:
+            # captured kernels never read the host lists; an eager step (CPU) may wait for the device
+            kv_lens_cpu = kv_lens.tolist() if not self.use_graphs else [1] * batch_size
         values = {
             "positions": kv_lens,
             "req_pool_indices": rows,
             "seq_lens": kv_lens,
-            "input_ids": requests.last_token_ids,
-            "hidden": requests.backbone_hidden,
+            "input_ids": newest,
+            "hidden": hidden,
         }
-        return self._run(values, batch_size, list(requests.kv_lens))[:batch_size]
+        return self._run(values, batch_size, list(kv_lens_cpu))[:batch_size]
 
     def _step(self, batch_size: int) -> torch.Tensor:
         view = self.inputs.view(batch_size)

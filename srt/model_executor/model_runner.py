@@ -159,6 +159,17 @@ class ModelRunner:
             return self.draft_graphs(requests)
         return self.drafter.draft(requests, self.req_to_token_pool, self.kv_pool, self.attn_backend)
 
+    def draft_ahead(
+        self, newest: torch.Tensor, hidden: torch.Tensor, kv_lens: torch.Tensor, rows: list[int]
+    ) -> torch.Tensor | None:
+        """Drafts of the next round from device state (the overlap of a draft round with the host's bookkeeping
+        of the verify step before it); None where only an eager round could run (it needs host lengths)."""
+        graphs = self.draft_graphs
+        if graphs is None or not graphs.can_run(len(rows)):
+            return None
+        row_ids = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        return graphs.on_device(newest, hidden, kv_lens, row_ids)
+
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
         """Logits of `batch.logits_rows`; KV of the batch's new tokens is written to the pools.
 
