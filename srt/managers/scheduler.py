@@ -336,21 +336,24 @@ class Scheduler:
                 verify_reqs, [item.num_drafts for item in verify_items], verify_rows, drafts, logits,
                 output.greedy_ids, output.hidden_states, self._verify_sampling_of(verify_reqs), self.accept_len,
             )  # fmt: skip
-        if verify is not None:
-            rows = [req.req_pool_idx for req in verify.reqs]
-            ahead = self.runner.draft_ahead(verify.next_newest, verify.next_hidden, verify.next_kv_lens, rows)
-            self._drafts_ahead = None if ahead is None else (verify.reqs, ahead, None)
         if self.drafter is not None and sampled_reqs:
             # the next round drafts from the hidden state that sampled each request's newest token
             for req, hidden in zip(sampled_reqs, output.hidden_states[sample_rows], strict=True):
                 req.draft_hidden = hidden
-        if not sampled_items:
-            return _Launched(batch, sampled_reqs, None, verify)
-        greedy_ids = output.greedy_ids
-        if sample_rows != list(range(len(logits))):  # decode samples every row: no [rows, vocab] copy then
-            logits = logits[sample_rows]
-            greedy_ids = None if greedy_ids is None else greedy_ids[sample_rows]
-        return _Launched(batch, sampled_reqs, self._sample(sampled_reqs, logits, greedy_ids), verify)
+        sampled = None
+        if sampled_items:
+            greedy_ids = output.greedy_ids
+            if sample_rows != list(range(len(logits))):  # decode samples every row: no [rows, vocab] copy then
+                logits = logits[sample_rows]
+                greedy_ids = None if greedy_ids is None else greedy_ids[sample_rows]
+            sampled = self._sample(sampled_reqs, logits, greedy_ids)
+        if verify is not None:
+            # last: a draft graph's replay may reuse the memory of this step's outputs (one graph pool), so
+            # everything that reads them is queued before it
+            rows = [req.req_pool_idx for req in verify.reqs]
+            ahead = self.runner.draft_ahead(verify.next_newest, verify.next_hidden, verify.next_kv_lens, rows)
+            self._drafts_ahead = None if ahead is None else (verify.reqs, ahead, None)
+        return _Launched(batch, sampled_reqs, sampled, verify)
 
     def _finish(self, launched: _Launched) -> list[ReqOutput]:
         """Read a launched batch's tokens; stop checks, releases and caching; what each request produced."""
