@@ -1,11 +1,15 @@
 """Images through the HTTP server and the real `openai` client: a base64 data: URL and a local file in chat
 messages give exactly the tokens of the same request run in-process; every bad image answers 400 naming the
-problem, and the server keeps serving."""
+problem, and the server keeps serving. `bench_serving --workload random-mm` runs briefly against the same server,
+checked against the prompt lengths and token counts the server reports."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -13,6 +17,7 @@ import pytest
 from mm_fixtures import IMAGE, processor_of, seeded_image
 from PIL import Image
 from serving_fixtures import MODEL_ARGS, start_server
+from test_bench_serving import SCRIPT, bench
 from torch_threads import one_torch_thread
 from transformers import AutoTokenizer
 
@@ -146,3 +151,40 @@ def test_generate_with_image_data_and_a_soft_token_budget(server, model) -> None
     bad = {**body, "mm_processor_kwargs": {"max_soft_tokens": 100}}
     reply = httpx.post(f"{server.url}/generate", json=bad, timeout=60)
     assert reply.status_code == 400 and "max_soft_tokens" in reply.text
+
+
+def test_random_mm_workload_sends_its_images_through_chat(server, model, tmp_path) -> None:
+    """`--workload random-mm`, shrunk to 3 images of 64x48 per request and 3 output tokens: every request
+    succeeds, the server generated exactly the tokens asked for, and the prompt it counted for each request is
+    the chat template of the script's text with its images expanded by the image processor."""
+    argv = [
+        "--workload", "random-mm", "--num-prompts", "3", "--max-concurrency", "2", "--warmup-requests", "1",
+        "--random-image-count", "3", "--random-image-size", "64x48", "--random-output-len", "3",
+    ]  # fmt: skip
+    before = httpx.get(f"{server.url}/server_info", timeout=30).json()["generated_tokens_total"]
+    out = tmp_path / "random-mm.json"
+    command = [sys.executable, str(SCRIPT), "--base-url", server.url, "--output-json", str(out), "--disable-tqdm"]
+    done = subprocess.run([*command, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["backend"] == "chat" and report["config"]["random_image_size"] == [64, 48]
+    metrics = report["metrics"]
+    assert (metrics["completed"], metrics["failed"], metrics["total_output_tokens"]) == (3, 0, 9)
+    after = httpx.get(f"{server.url}/server_info", timeout=30).json()["generated_tokens_total"]
+    assert after - before == (3 + 1) * 3  # the warm-up request too
+
+    # the requests the script drew (seed 0), rebuilt here, and the prompt lengths they must have on the server
+    args = bench.parse_args(argv)
+    run = args.runs[0]
+    timed, _ = bench.build_requests(args, run, report["config"]["vocab_size"], str(model))
+    tokenizer, processor = AutoTokenizer.from_pretrained(model), processor_of(model)
+    for spec, record in zip(timed, report["requests"], strict=True):
+        assert len(spec.images) == 3
+        images = [Image.open(io.BytesIO(base64.b64decode(url.partition(",")[2]))) for url in spec.images]
+        assert {image.size for image in images} == {(64, 48)}
+        content = [*({"type": "image"} for _ in images), {"type": "text", "text": spec.prompt}]
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+        ids, mm = processor.process(prompt, [image.convert("RGB") for image in images], add_special_tokens=False)
+        assert len(mm.items) == 3 and record["input_len"] == len(ids)
