@@ -25,13 +25,15 @@ class ImagePrompts:
         self.tokenizer = tokenizer
         self._processor = None
         self._image_token_id: int | None = None
+        self._video_token_id: int | None = None
         self._checked = False
 
     def _image_processor(self):
         if not self._checked:
             self._checked = True
             try:
-                self._image_token_id = ModelConfig.from_name_or_path(self.server_args.model_path).image_token_id
+                config = ModelConfig.from_name_or_path(self.server_args.model_path)
+                self._image_token_id, self._video_token_id = config.image_token_id, config.video_token_id
             except (OSError, ValueError) as error:
                 logger.warning("cannot read the model's config for image input: %s", error)
         if self._image_token_id is None:
@@ -41,7 +43,7 @@ class ImagePrompts:
 
             path = self.server_args.model_path
             self._processor = ImagePromptProcessor(
-                self.tokenizer, self._image_token_id, path if Path(path).is_dir() else None
+                self.tokenizer, self._image_token_id, path if Path(path).is_dir() else None, self._video_token_id
             )
         return self._processor
 
