@@ -1,6 +1,7 @@
-"""`Engine.generate(prompt, image_data=...)`: PIL images, bare base64 strings, data: URLs and local paths give
-exactly the tokens of the same prompt and images run by a Scheduler in this process, alone and in a batch beside
-a text-only prompt; a bad image raises ValueError naming it, and the engine keeps working."""
+"""`Engine.generate(prompt, image_data=..., video_data=...)`: PIL images, bare base64 strings, data: URLs and local
+paths give exactly the tokens of the same prompt and images run by a Scheduler in this process, alone and in a
+batch beside a text-only prompt; so do videos given as frames or as an animated GIF; a bad image raises
+ValueError naming it, and the engine keeps working."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import base64
 import io
 import os
 
+import numpy as np
 import pytest
-from mm_fixtures import IMAGE, processor_of, seeded_image
-from PIL import Image
+from mm_fixtures import IMAGE, VIDEO, processor_of, seeded_image
+from PIL import Image, ImageSequence
 from serving_fixtures import CHILD_ENV, MODEL_ARGS
 from torch_threads import one_torch_thread
 from transformers import AutoTokenizer
@@ -20,6 +22,7 @@ from srt.managers.inprocess import run_to_completion
 from srt.managers.io_struct import TokenizedGenerateReq
 from srt.managers.scheduler import Scheduler
 from srt.model_executor.model_runner import ModelRunner
+from srt.multimodal.video import Video
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from srt.tools.make_checkpoint import make_checkpoint
@@ -64,12 +67,12 @@ def engine(model, media):
                 os.environ[key] = value
 
 
-def in_process(model, prompts: list[tuple[str, list[Image.Image]]]) -> list[list[int]]:
-    """Greedy tokens of each (prompt, images) from a Scheduler in this process, all in one batch."""
+def in_process(model, prompts: list[tuple], kwargs: dict = SOFT_TOKENS) -> list[list[int]]:
+    """Greedy tokens of each (prompt, images[, videos]) from a Scheduler in this process, all in one batch."""
     processor = processor_of(model)
     requests = []
-    for i, (text, images) in enumerate(prompts):
-        ids, mm = processor.process(text, images, mm_processor_kwargs=SOFT_TOKENS)
+    for i, (text, images, *videos) in enumerate(prompts):
+        ids, mm = processor.process(text, images, mm_processor_kwargs=kwargs, videos=videos[0] if videos else None)
         params = SamplingParams(**GREEDY)
         requests.append(TokenizedGenerateReq(f"r{i}", ids, params, mm_inputs=mm if mm.items else None))
     args = ServerArgs(model_path=str(model), **MODEL_ARGS)
@@ -122,3 +125,33 @@ def test_bad_image_raises_value_error_and_the_engine_keeps_working(engine, model
     [expected] = in_process(model, [(f"Look {IMAGE}", [image])])
     out = engine.generate(f"Look {IMAGE}", GREEDY, image_data=[image], mm_processor_kwargs=SOFT_TOKENS)
     assert out["output_ids"] == expected
+
+
+def gif_bytes(frames: list[Image.Image], duration_ms: int) -> bytes:
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=duration_ms, loop=0)
+    return buffer.getvalue()
+
+
+def test_videos_as_frames_and_as_an_animated_gif(engine, model) -> None:
+    kwargs = {**SOFT_TOKENS, "num_frames": 4}
+    frames = [seeded_image(64, 48, seed=50 + i) for i in range(8)]
+    image = seeded_image(64, 64, seed=60)
+    text = f"Clip {VIDEO} then {IMAGE}?"
+    as_frames = Video(np.stack([np.asarray(f) for f in frames]), fps=4.0)
+    gif = gif_bytes(frames, duration_ms=500)  # 2 fps; GIF's palette changes the pixels
+    decoded = [np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(Image.open(io.BytesIO(gif)))]
+    as_gif = Video(np.stack(decoded), fps=2.0)
+    expected = in_process(model, [(text, [image], [as_frames]), (text, [image], [as_gif])], kwargs)
+    assert expected[0] != expected[1]  # the frames (and timestamps) matter
+    out = engine.generate(
+        text, GREEDY, image_data=[image], video_data=[{"frames": frames, "fps": 4.0}], mm_processor_kwargs=kwargs
+    )
+    assert out["output_ids"] == expected[0]
+    gif_url = "data:image/gif;base64," + base64.b64encode(gif).decode()
+    out = engine.generate(text, GREEDY, image_data=[image], video_data=gif_url, mm_processor_kwargs=kwargs)
+    assert out["output_ids"] == expected[1]
+    with pytest.raises(ValueError, match=r"video_data\[0\]: the video cannot be decoded"):
+        engine.generate(text, GREEDY, image_data=[image], video_data=["data:video/mp4;base64,AAAA"])
+    with pytest.raises(ValueError, match="fewer than the 32 to sample"):  # transformers' default: 32 frames
+        engine.generate(text, GREEDY, image_data=[image], video_data=[{"frames": frames}])

@@ -11,7 +11,7 @@ from typing import Any
 
 from srt.configs.model_config import ModelConfig
 from srt.multimodal.inputs import MultimodalInputs
-from srt.multimodal.media import load_image
+from srt.multimodal.media import load_image, load_video
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class ImagePrompts:
     def tokenize(self, single: Any, add_special_tokens: bool) -> tuple[list[int], MultimodalInputs]:
         """Token ids with expanded placeholders and the images of one request; ValueError naming the problem."""
         if single.text is None:
-            raise ValueError("image_data needs a text prompt with one <|image|> per image (not input_ids)")
+            raise ValueError("image_data and video_data need a text prompt with a placeholder each (not input_ids)")
         processor = self._image_processor()
         allowed = self.server_args.allowed_local_media_path
         images = []
@@ -59,4 +59,10 @@ class ImagePrompts:
                 images.append(load_image(source, allowed))
             except ValueError as error:
                 raise ValueError(f"image_data[{i}]: {error}") from None
-        return processor.process(single.text, images, add_special_tokens, single.mm_processor_kwargs)
+        videos = []
+        for i, source in enumerate(single.video_data or []):
+            try:
+                videos.append(load_video(source, allowed))
+            except ValueError as error:
+                raise ValueError(f"video_data[{i}]: {error}") from None
+        return processor.process(single.text, images, add_special_tokens, single.mm_processor_kwargs, videos)

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers.models.gemma4.image_processing_pil_gemma4 import get_aspect_ratio_preserving_size
 
 DEFAULT_FPS = 24.0  # what transformers assumes when a video's frame rate is unknown
 
@@ -87,6 +86,9 @@ def preprocess_video(
     video: Video, settings: VideoSettings, num_frames: int | None = None, max_soft_tokens: int | None = None
 ) -> tuple[list[ProcessedFrame], list[str]]:
     """The sampled frames' patches and the timestamp of each ("mm:ss")."""
+    # transformers' sizing (the video processor's copy of it cannot be imported without torchvision); loaded late
+    from transformers.models.gemma4.image_processing_pil_gemma4 import get_aspect_ratio_preserving_size
+
     frames = video.frames
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8 or frames.shape[0] == 0:
         raise ValueError(f"a video must be uint8 RGB frames [T, H, W, 3], got {frames.dtype} {list(frames.shape)}")
