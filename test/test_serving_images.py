@@ -12,10 +12,11 @@ import subprocess
 import sys
 
 import httpx
+import numpy as np
 import openai
 import pytest
-from mm_fixtures import IMAGE, processor_of, seeded_image
-from PIL import Image
+from mm_fixtures import IMAGE, VIDEO, processor_of, seeded_image
+from PIL import Image, ImageSequence
 from serving_fixtures import MODEL_ARGS, start_server
 from test_bench_serving import SCRIPT, bench
 from torch_threads import one_torch_thread
@@ -25,6 +26,7 @@ from srt.managers.inprocess import run_to_completion
 from srt.managers.io_struct import TokenizedGenerateReq
 from srt.managers.scheduler import Scheduler
 from srt.model_executor.model_runner import ModelRunner
+from srt.multimodal.video import Video
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from srt.tools.make_checkpoint import make_checkpoint
@@ -75,14 +77,17 @@ def chat(client, model, parts: list[dict]) -> str:
     return reply.choices[0].message.content
 
 
-def in_process_text(model, text_parts: list[str], images: list[Image.Image]) -> str:
+def in_process_text(
+    model, text_parts: list[str], images: list[Image.Image], videos: list[Video] | None = None, kwargs=None
+) -> str:
     """The same chat run by a Scheduler in this process (same model arguments): the expected reply."""
     tokenizer = AutoTokenizer.from_pretrained(model)
-    content = [{"type": "image"} if part == IMAGE else {"type": "text", "text": part} for part in text_parts]
+    kinds = {IMAGE: "image", VIDEO: "video"}
+    content = [{"type": kinds[part]} if part in kinds else {"type": "text", "text": part} for part in text_parts]
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
     )
-    ids, mm = processor_of(model).process(prompt, images, add_special_tokens=False)
+    ids, mm = processor_of(model).process(prompt, images, False, kwargs, videos)
     args = ServerArgs(model_path=str(model), **{**MODEL_ARGS, "context_length": CONTEXT})
     with one_torch_thread():
         scheduler = Scheduler(args, ModelRunner(args))
@@ -101,6 +106,30 @@ def test_chat_with_a_data_url_and_a_local_file(client, model, media) -> None:
     ]
     expected = in_process_text(model, ["What is in", IMAGE, "and in", IMAGE], [image, Image.open(media / "photo.png")])
     assert chat(client, model, parts) == expected
+
+
+def test_chat_with_a_video_url(client, model) -> None:
+    """An animated GIF as a video_url part, 4 frames sampled (mm_processor_kwargs, vLLM's extra field)."""
+    frames = [seeded_image(64, 48, seed=70 + i) for i in range(6)]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=250, loop=0)
+    decoded = [np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(Image.open(io.BytesIO(buffer.getvalue())))]
+    kwargs = {"max_soft_tokens": 70, "num_frames": 4}
+    url = "data:image/gif;base64," + base64.b64encode(buffer.getvalue()).decode()
+    parts = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]
+    reply = client.chat.completions.create(
+        model=str(model),
+        messages=[{"role": "user", "content": parts}],
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        extra_body={"mm_processor_kwargs": kwargs},
+    )
+    video = Video(np.stack(decoded), fps=4.0)
+    expected = in_process_text(model, [VIDEO, "What happens?"], [], [video], kwargs)
+    assert reply.choices[0].message.content == expected
+    bad = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
+    with pytest.raises(openai.BadRequestError, match="video_data\\[0\\]: the video cannot be decoded"):
+        client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": bad}], max_tokens=2)
 
 
 def bad_images(media) -> dict[str, tuple[str, str]]:

@@ -54,7 +54,7 @@ class ImagePrompts:
         processor = self._image_processor()
         allowed = self.server_args.allowed_local_media_path
         images = []
-        for i, source in enumerate(single.image_data):
+        for i, source in enumerate(single.image_data or []):
             try:
                 images.append(load_image(source, allowed))
             except ValueError as error:

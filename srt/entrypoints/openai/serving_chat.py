@@ -55,6 +55,7 @@ class ChatRun:
             return_emit_ts=request.return_emit_ts,
             image_data=images or None,
             video_data=videos or None,
+            mm_processor_kwargs=request.mm_processor_kwargs,
         )
         try:
             self.prepared = tm.prepare(self.obj)
