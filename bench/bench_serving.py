@@ -28,6 +28,10 @@ extension) and temperature 0. With `--backend chat` the ids are decoded to text 
 model path /v1/models reports) and sent as one user message; the chat template and re-tokenization make the
 prompt length approximate, so input token counts come from the server's usage.
 
+Images (`--random-image-count N --random-image-size WxH`, or `--workload random-mm`: 6 of 480x480): each chat
+request's user message holds N images of random pixels as JPEG data: URLs (every one different), then the
+random text; they need `--backend chat` (a workload with images selects it).
+
 Workloads (`--workload NAME`, serving_workloads.py) set the lengths, range ratio 1, and one run per
 concurrency with its prompts and warm-up requests; the runs go one after the other against the same server.
 A flag given explicitly overrides the workload's value: --max-concurrency C keeps one run at C (4 x C prompts
@@ -43,6 +47,7 @@ Examples (a server on the default port):
     python bench/bench_serving.py --num-prompts 200 --random-input-len 1024 --random-output-len 256 \\
         --random-range-ratio 0.5 --request-rate 4 --warmup-requests 4 --output-json out.json --plot out.png
     python bench/bench_serving.py --backend chat --num-prompts 50 --random-input-len 512 --random-output-len 128
+    python bench/bench_serving.py --workload random-mm --max-concurrency 8
 """
 
 from __future__ import annotations
@@ -79,12 +84,21 @@ from serving_requests import (  # noqa: F401  (re-exported)
     as_chat_text,
     random_requests,
     sample_len,
+    with_images,
 )
 from serving_workloads import WORKLOADS, Run, describe, get_workload, run_at
 from tqdm import tqdm
 
 # Used where neither a flag nor --workload gives a value.
-DEFAULTS = {"num_prompts": 100, "random_input_len": 1024, "random_output_len": 128, "random_range_ratio": 1.0}
+DEFAULTS = {
+    "num_prompts": 100,
+    "random_input_len": 1024,
+    "random_output_len": 128,
+    "random_range_ratio": 1.0,
+    "random_image_count": 0,
+    "random_image_size": (480, 480),
+    "backend": "completions",
+}
 
 
 @dataclass
@@ -112,7 +126,8 @@ class RunResult:
 def build_requests(
     args: argparse.Namespace, run: Run, vocab_size: int, tokenizer: str | None
 ) -> tuple[list[RequestSpec], list[RequestSpec]]:
-    """(timed, warmup) requests; the timed ones are drawn first so --warmup-requests does not change them."""
+    """(timed, warmup) requests; the timed ones are drawn first so --warmup-requests does not change them (the
+    images are drawn after all prompts, from their own stream)."""
     rng = random.Random(args.seed)
     lens = (args.random_input_len, args.random_output_len, args.random_range_ratio, vocab_size, rng)
     timed = random_requests(run.num_prompts, *lens)
@@ -121,6 +136,10 @@ def build_requests(
         if tokenizer is None:
             raise SystemExit("--backend chat needs --tokenizer (the server reports no model path)")
         timed, warmup = as_chat_text(timed, tokenizer), as_chat_text(warmup, tokenizer)
+    if args.random_image_count:
+        images = random.Random(args.seed + 2)
+        timed = with_images(timed, args.random_image_count, args.random_image_size, images)
+        warmup = with_images(warmup, args.random_image_count, args.random_image_size, images)
     return timed, warmup
 
 
@@ -202,7 +221,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--base-url", default="http://127.0.0.1:30000", help="The server, without /v1.")
-    add("--backend", choices=["completions", "chat"], default="completions", help="The OpenAI endpoint to load.")
+    add(
+        "--backend",
+        choices=["completions", "chat"],
+        help="The OpenAI endpoint to load (default completions, or chat for a workload with images).",
+    )
     add("--model", help="Model name to send (default: the first id of GET /v1/models).")
     add("--tokenizer", help="Tokenizer for --backend chat (default: the model path /v1/models reports).")
     add("--vocab-size", type=int, help="Token ids are drawn from [3, vocab-size) (default: /server_info).")
@@ -211,6 +234,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--random-input-len", type=int, help="Prompt tokens per request, the maximum (default 1024).")
     add("--random-output-len", type=int, help="Output tokens per request, the maximum (default 128).")
     add("--random-range-ratio", type=float, help="Lengths are uniform in [ratio * len, len] (default 1).")
+    add("--random-image-count", type=int, help="Random images per chat request (default 0, or the workload's).")
+    add(
+        "--random-image-size",
+        type=image_size,
+        help="WIDTHxHEIGHT of each random image (default 480x480, or the workload's).",
+    )
     add("--seed", type=int, default=0, help="Seeds the prompts and the arrival times.")
     add("--request-rate", type=float, default=math.inf, help="Requests/s, Poisson arrivals (inf: all at once).")
     add("--max-concurrency", type=int, help="At most this many requests open at once (a workload: its one run).")
@@ -243,7 +272,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--warmup-requests must be >= 0")
     if args.client_processes is not None and args.client_processes < 1:
         parser.error("--client-processes must be >= 1")
+    if args.random_image_count < 0:
+        parser.error("--random-image-count must be >= 0")
+    if args.random_image_count and args.backend != "chat":
+        parser.error("images (--random-image-count) need --backend chat")
     return args
+
+
+def image_size(text: str) -> tuple[int, int]:
+    """`WIDTHxHEIGHT` -> (width, height), both >= 1."""
+    width, sep, height = text.lower().partition("x")
+    if not sep or not width.isdigit() or not height.isdigit() or min(int(width), int(height)) < 1:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT such as 480x480, got {text!r}")
+    return int(width), int(height)
 
 
 def resolve_runs(args: argparse.Namespace) -> None:
@@ -252,6 +293,9 @@ def resolve_runs(args: argparse.Namespace) -> None:
     given = {key: getattr(args, key) for key in DEFAULTS}
     if workload is not None:
         defaults = {"random_input_len": workload.input_len, "random_output_len": workload.output_len}
+        defaults.update(backend=workload.backend, random_image_count=workload.images)
+        if workload.images:
+            defaults["random_image_size"] = workload.image_size
         runs = list(workload.runs)
         if args.max_concurrency is not None:
             runs = [run_at(args.max_concurrency)]

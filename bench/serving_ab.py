@@ -117,7 +117,7 @@ def run_setting(
             except asyncio.TimeoutError:  # TimeoutError itself from Python 3.11 on
                 result["error"] = f"the run at concurrency {run.concurrency} was cancelled at the time limit"
                 break
-            print(bench_serving.format_summary(done.metrics, "completions", facts.model, title), flush=True)
+            print(bench_serving.format_summary(done.metrics, bench_args.backend, facts.model, title), flush=True)
             records = [asdict(r) for r in done.records]
             result["runs"].append({"run": asdict(run), "metrics": asdict(done.metrics), "requests": records})
         info = httpx.get(f"{server.url}/server_info", timeout=30).raise_for_status().json()

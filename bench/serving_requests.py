@@ -1,12 +1,14 @@
-"""The requests of `bench_serving.py`: random token-id prompts, one streamed request timed chunk by chunk, and
-the Poisson arrival times of a run (serving_clients.py sends them)."""
+"""The requests of `bench_serving.py`: random token-id prompts (and random images for chat), one streamed request
+timed chunk by chunk, and the Poisson arrival times of a run (serving_clients.py sends them)."""
 
 from __future__ import annotations
 
+import base64
+import io
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import openai
@@ -17,11 +19,13 @@ FIRST_SAFE_TOKEN_ID = 3  # Gemma: 0 <pad>, 1 <eos>, 2 <bos>
 
 @dataclass
 class RequestSpec:
-    """One request to send: a prompt (token ids, or text for chat) and the output length to ask for."""
+    """One request to send: a prompt (token ids, or text for chat), the output length to ask for, and the
+    images (data: URLs) a chat request sends before its text."""
 
     prompt: list[int] | str
     input_len: int
     output_len: int
+    images: tuple[str, ...] = ()
 
 
 # ---- dataset ----------------------------------------------------------------------------------------------
@@ -50,6 +54,31 @@ def as_chat_text(specs: list[RequestSpec], tokenizer_path: str) -> list[RequestS
     return [RequestSpec(tokenizer.decode(s.prompt, skip_special_tokens=True), s.input_len, s.output_len) for s in specs]
 
 
+def random_image_url(width: int, height: int, rng: random.Random) -> str:
+    """A `data:image/jpeg;base64,` URL of uniformly random pixels (as vLLM's random-mm dataset sends them):
+    every image differs, so the server's encoder cache finds none of them."""
+    import numpy as np  # only image workloads need numpy and PIL
+    from PIL import Image
+
+    pixels = np.random.default_rng(rng.getrandbits(64)).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="JPEG")
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def with_images(specs: list[RequestSpec], count: int, size: tuple[int, int], rng: random.Random) -> list[RequestSpec]:
+    """The same requests, each with `count` random images of `size` (width, height)."""
+    return [replace(s, images=tuple(random_image_url(*size, rng) for _ in range(count))) for s in specs]
+
+
+def chat_content(spec: RequestSpec) -> str | list[dict]:
+    """A chat request's user message content: its text, after its images if it has any."""
+    if not spec.images:
+        return spec.prompt
+    images = [{"type": "image_url", "image_url": {"url": url}} for url in spec.images]
+    return [*images, {"type": "text", "text": spec.prompt}]
+
+
 # ---- one request ------------------------------------------------------------------------------------------
 async def open_stream(
     client: openai.AsyncOpenAI,
@@ -72,7 +101,8 @@ async def open_stream(
     if backend == "chat":
         if logprobs:
             common["logprobs"] = True
-        return await client.chat.completions.create(messages=[{"role": "user", "content": spec.prompt}], **common)
+        messages = [{"role": "user", "content": chat_content(spec)}]
+        return await client.chat.completions.create(messages=messages, **common)
     if logprobs:
         common["logprobs"] = 0  # the chosen token's logprob only
     # Token ids travel in extra_body, which the SDK sends as it is: passed as `prompt`, the SDK type-checks

@@ -12,6 +12,7 @@ from srt.configs.model_config import ModelConfig
 from srt.multimodal.processor import ImagePromptProcessor
 
 IMAGE = "<|image|>"
+VIDEO = "<|video|>"
 
 
 def seeded_image(width: int, height: int, seed: int) -> Image.Image:
@@ -23,4 +24,5 @@ def seeded_image(width: int, height: int, seed: int) -> Image.Image:
 
 def processor_of(path: Path) -> ImagePromptProcessor:
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return ImagePromptProcessor(tokenizer, ModelConfig.from_pretrained(path).image_token_id, str(path))
+    config = ModelConfig.from_pretrained(path)
+    return ImagePromptProcessor(tokenizer, config.image_token_id, str(path), config.video_token_id)

@@ -183,8 +183,18 @@ def test_workloads_set_lengths_and_runs_and_explicit_flags_win() -> None:
     args = bench.parse_args(["--workload", "fast-prefill", "--num-prompts", "5", "--warmup-requests", "0"])
     assert args.runs == [Run(8, 5, 0), Run(32, 5, 0)]
 
+    mm = bench.parse_args(["--workload", "random-mm"])  # the published image shape, through chat
+    assert (mm.random_input_len, mm.random_output_len, mm.runs) == (50, 10, [Run(32, 128, 8)])
+    assert (mm.backend, mm.random_image_count, mm.random_image_size) == ("chat", 6, (480, 480))
+    mm = bench.parse_args(["--workload", "random-mm", "--random-image-count", "2", "--random-image-size", "64x48"])
+    assert (mm.random_image_count, mm.random_image_size) == (2, (64, 48))
+
     plain = bench.parse_args([])  # no workload: the flags' defaults, one run without a concurrency limit
     assert (plain.random_input_len, plain.random_output_len, plain.runs) == (1024, 128, [Run(None, 100, 0)])
+    assert (plain.backend, plain.random_image_count) == ("completions", 0)
+    for bad in (["--random-image-count", "2"], ["--backend", "chat", "--random-image-size", "48"]):
+        with pytest.raises(SystemExit):  # images need chat; a size is WIDTHxHEIGHT
+            bench.parse_args(bad)
     assert bench.run_paths(Path("out.json"), Run(8, 32, 8), args.runs) == Path("out-c8.json")
     assert bench.run_paths(Path("out.json"), plain.runs[0], plain.runs) == Path("out.json")
     with pytest.raises(SystemExit):

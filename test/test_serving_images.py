@@ -1,18 +1,24 @@
 """Images through the HTTP server and the real `openai` client: a base64 data: URL and a local file in chat
 messages give exactly the tokens of the same request run in-process; every bad image answers 400 naming the
-problem, and the server keeps serving."""
+problem, and the server keeps serving. `bench_serving --workload random-mm` runs briefly against the same server,
+checked against the prompt lengths and token counts the server reports."""
 
 from __future__ import annotations
 
 import base64
 import io
+import json
+import subprocess
+import sys
 
 import httpx
+import numpy as np
 import openai
 import pytest
-from mm_fixtures import IMAGE, processor_of, seeded_image
-from PIL import Image
+from mm_fixtures import IMAGE, VIDEO, processor_of, seeded_image
+from PIL import Image, ImageSequence
 from serving_fixtures import MODEL_ARGS, start_server
+from test_bench_serving import SCRIPT, bench
 from torch_threads import one_torch_thread
 from transformers import AutoTokenizer
 
@@ -20,6 +26,7 @@ from srt.managers.inprocess import run_to_completion
 from srt.managers.io_struct import TokenizedGenerateReq
 from srt.managers.scheduler import Scheduler
 from srt.model_executor.model_runner import ModelRunner
+from srt.multimodal.video import Video
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from srt.tools.make_checkpoint import make_checkpoint
@@ -70,14 +77,17 @@ def chat(client, model, parts: list[dict]) -> str:
     return reply.choices[0].message.content
 
 
-def in_process_text(model, text_parts: list[str], images: list[Image.Image]) -> str:
+def in_process_text(
+    model, text_parts: list[str], images: list[Image.Image], videos: list[Video] | None = None, kwargs=None
+) -> str:
     """The same chat run by a Scheduler in this process (same model arguments): the expected reply."""
     tokenizer = AutoTokenizer.from_pretrained(model)
-    content = [{"type": "image"} if part == IMAGE else {"type": "text", "text": part} for part in text_parts]
+    kinds = {IMAGE: "image", VIDEO: "video"}
+    content = [{"type": kinds[part]} if part in kinds else {"type": "text", "text": part} for part in text_parts]
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
     )
-    ids, mm = processor_of(model).process(prompt, images, add_special_tokens=False)
+    ids, mm = processor_of(model).process(prompt, images, False, kwargs, videos)
     args = ServerArgs(model_path=str(model), **{**MODEL_ARGS, "context_length": CONTEXT})
     with one_torch_thread():
         scheduler = Scheduler(args, ModelRunner(args))
@@ -96,6 +106,30 @@ def test_chat_with_a_data_url_and_a_local_file(client, model, media) -> None:
     ]
     expected = in_process_text(model, ["What is in", IMAGE, "and in", IMAGE], [image, Image.open(media / "photo.png")])
     assert chat(client, model, parts) == expected
+
+
+def test_chat_with_a_video_url(client, model) -> None:
+    """An animated GIF as a video_url part, 4 frames sampled (mm_processor_kwargs, vLLM's extra field)."""
+    frames = [seeded_image(64, 48, seed=70 + i) for i in range(6)]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=250, loop=0)
+    decoded = [np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(Image.open(io.BytesIO(buffer.getvalue())))]
+    kwargs = {"max_soft_tokens": 70, "num_frames": 4}
+    url = "data:image/gif;base64," + base64.b64encode(buffer.getvalue()).decode()
+    parts = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]
+    reply = client.chat.completions.create(
+        model=str(model),
+        messages=[{"role": "user", "content": parts}],
+        max_tokens=MAX_TOKENS,
+        temperature=0.0,
+        extra_body={"mm_processor_kwargs": kwargs},
+    )
+    video = Video(np.stack(decoded), fps=4.0)
+    expected = in_process_text(model, [VIDEO, "What happens?"], [], [video], kwargs)
+    assert reply.choices[0].message.content == expected
+    bad = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]
+    with pytest.raises(openai.BadRequestError, match="video_data\\[0\\]: the video cannot be decoded"):
+        client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": bad}], max_tokens=2)
 
 
 def bad_images(media) -> dict[str, tuple[str, str]]:
@@ -146,3 +180,40 @@ def test_generate_with_image_data_and_a_soft_token_budget(server, model) -> None
     bad = {**body, "mm_processor_kwargs": {"max_soft_tokens": 100}}
     reply = httpx.post(f"{server.url}/generate", json=bad, timeout=60)
     assert reply.status_code == 400 and "max_soft_tokens" in reply.text
+
+
+def test_random_mm_workload_sends_its_images_through_chat(server, model, tmp_path) -> None:
+    """`--workload random-mm`, shrunk to 3 images of 64x48 per request and 3 output tokens: every request
+    succeeds, the server generated exactly the tokens asked for, and the prompt it counted for each request is
+    the chat template of the script's text with its images expanded by the image processor."""
+    argv = [
+        "--workload", "random-mm", "--num-prompts", "3", "--max-concurrency", "2", "--warmup-requests", "1",
+        "--random-image-count", "3", "--random-image-size", "64x48", "--random-output-len", "3",
+    ]  # fmt: skip
+    before = httpx.get(f"{server.url}/server_info", timeout=30).json()["generated_tokens_total"]
+    out = tmp_path / "random-mm.json"
+    command = [sys.executable, str(SCRIPT), "--base-url", server.url, "--output-json", str(out), "--disable-tqdm"]
+    done = subprocess.run([*command, *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["config"]["backend"] == "chat" and report["config"]["random_image_size"] == [64, 48]
+    metrics = report["metrics"]
+    assert (metrics["completed"], metrics["failed"], metrics["total_output_tokens"]) == (3, 0, 9)
+    after = httpx.get(f"{server.url}/server_info", timeout=30).json()["generated_tokens_total"]
+    assert after - before == (3 + 1) * 3  # the warm-up request too
+
+    # the requests the script drew (seed 0), rebuilt here, and the prompt lengths they must have on the server
+    args = bench.parse_args(argv)
+    run = args.runs[0]
+    timed, _ = bench.build_requests(args, run, report["config"]["vocab_size"], str(model))
+    tokenizer, processor = AutoTokenizer.from_pretrained(model), processor_of(model)
+    for spec, record in zip(timed, report["requests"], strict=True):
+        assert len(spec.images) == 3
+        images = [Image.open(io.BytesIO(base64.b64decode(url.partition(",")[2]))) for url in spec.images]
+        assert {image.size for image in images} == {(64, 48)}
+        content = [*({"type": "image"} for _ in images), {"type": "text", "text": spec.prompt}]
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+        ids, mm = processor.process(prompt, [image.convert("RGB") for image in images], add_special_tokens=False)
+        assert len(mm.items) == 3 and record["input_len"] == len(ids)

@@ -62,6 +62,11 @@ class ModelConfig:
         return getattr(self.hf_config, "image_token_id", None)
 
     @property
+    def video_token_id(self) -> int | None:
+        """The placeholder of video frames' soft tokens (a frame is an image to the model)."""
+        return getattr(self.hf_config, "video_token_id", None)
+
+    @property
     def bidirectional_images(self) -> bool:
         """Whether image tokens attend to each other both ways (sliding layers of 26B-A4B and 31B)."""
         return getattr(self.hf_text_config, "use_bidirectional_attention", None) == "vision"

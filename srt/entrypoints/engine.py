@@ -71,6 +71,7 @@ class Engine:
         return_text_in_logprobs: bool = False,
         image_data: Any = None,
         mm_processor_kwargs: dict | None = None,
+        video_data: Any = None,
     ) -> dict | list[dict] | Iterator[dict]:
         """Generate for one prompt (a dict) or a batch (a list of dicts, prompt-major when n > 1).
 
@@ -88,6 +89,7 @@ class Engine:
             return_text_in_logprobs,
             image_data,
             mm_processor_kwargs,
+            video_data,
         )
         prepared = self._call(self._prepare(obj))
         if not stream:
@@ -183,6 +185,7 @@ def _generate_input(
     return_text_in_logprobs: bool = False,
     image_data: Any = None,
     mm_processor_kwargs: dict | None = None,
+    video_data: Any = None,
 ) -> GenerateReqInput:
     """The request `Engine.generate` and `async_generate` take, by the same arguments (`prompt` is `text`)."""
     return GenerateReqInput(
@@ -195,5 +198,6 @@ def _generate_input(
         stream=stream,
         return_text_in_logprobs=return_text_in_logprobs,
         image_data=image_data,
+        video_data=video_data,
         mm_processor_kwargs=mm_processor_kwargs,
     )

@@ -45,7 +45,10 @@ class GenerateReqInput:
     # images of the prompt, one per `<|image|>` of its text, in order: PIL images, data: URLs, base64 strings or
     # local paths (multimodal/media.py); a list of such lists for a batch
     image_data: Any = None
-    # the image processor's per-request settings: {"max_soft_tokens": 70 | 140 | 280 | 560 | 1120}
+    # videos of the prompt, one per `<|video|>` of its text, in order (multimodal/media.load_video); a list of such
+    # lists for a batch
+    video_data: Any = None
+    # the processors' per-request settings: {"max_soft_tokens": 70 | 140 | 280 | 560 | 1120, "num_frames": n}
     mm_processor_kwargs: dict[str, Any] | None = None
 
     @property
@@ -84,6 +87,7 @@ class GenerateReqInput:
         top = _per_prompt("top_logprobs_num", self.top_logprobs_num, num, self.is_batch)
         rids = _per_prompt("rid", self.rid, num, self.is_batch)
         images = _images_per_prompt(self.image_data, num, self.is_batch)
+        videos = _images_per_prompt(self.video_data, num, self.is_batch, "video_data", "a video")
         if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
             raise ValueError(f"mm_processor_kwargs must be an object, got {self.mm_processor_kwargs!r}")
         for i in range(num):  # every n first: nothing is built for a request that asks for too many
@@ -118,6 +122,7 @@ class GenerateReqInput:
                         logprob_start_len=None if start[i] in (None, -1) else start[i],
                         top_logprobs_num=top[i],
                         image_data=images[i],
+                        video_data=videos[i],
                         mm_processor_kwargs=self.mm_processor_kwargs,
                     )
                 )
@@ -151,17 +156,20 @@ class SingleReq:
     logprob_start_len: int | None = None
     top_logprobs_num: int = 0
     image_data: list[Any] | None = None
+    video_data: list[Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
 
 
-def _images_per_prompt(image_data: Any, num: int, is_batch: bool) -> list[list[Any] | None]:
-    """Each prompt's list of images (None: none)."""
+def _images_per_prompt(
+    image_data: Any, num: int, is_batch: bool, name: str = "image_data", one: str = "an image"
+) -> list[list[Any] | None]:
+    """Each prompt's list of images (or videos; None: none)."""
     if image_data is None:
         return [None] * num
     if not is_batch:
         return [list(image_data) if isinstance(image_data, list) else [image_data]]
     if not isinstance(image_data, list) or len(image_data) != num:
-        raise ValueError(f"image_data must have one entry (an image or a list of images) for each of {num} prompts")
+        raise ValueError(f"{name} must have one entry ({one} or a list of them) for each of {num} prompts")
     return [None if x is None else list(x) if isinstance(x, list) else [x] for x in image_data]
 
 

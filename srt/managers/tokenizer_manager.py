@@ -154,7 +154,7 @@ class TokenizerManager:
     def tokenize(self, single: SingleReq, add_special_tokens: bool = True) -> TokenizedGenerateReq:
         """Tokenize and check one request; ValueError naming the bad field."""
         ids, mm = single.input_ids, None
-        if single.image_data:
+        if single.image_data or single.video_data:
             ids, mm = self.image_prompts.tokenize(single, add_special_tokens)
         elif ids is None:
             ids = self.encode_text(single.text, add_special_tokens)

@@ -11,7 +11,7 @@ from typing import Any
 
 from srt.configs.model_config import ModelConfig
 from srt.multimodal.inputs import MultimodalInputs
-from srt.multimodal.media import load_image
+from srt.multimodal.media import load_image, load_video
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -25,13 +25,15 @@ class ImagePrompts:
         self.tokenizer = tokenizer
         self._processor = None
         self._image_token_id: int | None = None
+        self._video_token_id: int | None = None
         self._checked = False
 
     def _image_processor(self):
         if not self._checked:
             self._checked = True
             try:
-                self._image_token_id = ModelConfig.from_name_or_path(self.server_args.model_path).image_token_id
+                config = ModelConfig.from_name_or_path(self.server_args.model_path)
+                self._image_token_id, self._video_token_id = config.image_token_id, config.video_token_id
             except (OSError, ValueError) as error:
                 logger.warning("cannot read the model's config for image input: %s", error)
         if self._image_token_id is None:
@@ -41,20 +43,26 @@ class ImagePrompts:
 
             path = self.server_args.model_path
             self._processor = ImagePromptProcessor(
-                self.tokenizer, self._image_token_id, path if Path(path).is_dir() else None
+                self.tokenizer, self._image_token_id, path if Path(path).is_dir() else None, self._video_token_id
             )
         return self._processor
 
     def tokenize(self, single: Any, add_special_tokens: bool) -> tuple[list[int], MultimodalInputs]:
         """Token ids with expanded placeholders and the images of one request; ValueError naming the problem."""
         if single.text is None:
-            raise ValueError("image_data needs a text prompt with one <|image|> per image (not input_ids)")
+            raise ValueError("image_data and video_data need a text prompt with a placeholder each (not input_ids)")
         processor = self._image_processor()
         allowed = self.server_args.allowed_local_media_path
         images = []
-        for i, source in enumerate(single.image_data):
+        for i, source in enumerate(single.image_data or []):
             try:
                 images.append(load_image(source, allowed))
             except ValueError as error:
                 raise ValueError(f"image_data[{i}]: {error}") from None
-        return processor.process(single.text, images, add_special_tokens, single.mm_processor_kwargs)
+        videos = []
+        for i, source in enumerate(single.video_data or []):
+            try:
+                videos.append(load_video(source, allowed))
+            except ValueError as error:
+                raise ValueError(f"video_data[{i}]: {error}") from None
+        return processor.process(single.text, images, add_special_tokens, single.mm_processor_kwargs, videos)

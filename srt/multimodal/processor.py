@@ -8,11 +8,14 @@ expansion is done here as `Gemma4Processor.replace_image_token` does it: each `<
 `<|image>` + one `<|image|>` per soft token + `<image|>`.
 
 `max_soft_tokens` (70, 140, 280, 560 or 1120; the checkpoint's default otherwise) sets a request's budget per
-image through `mm_processor_kwargs`.
+image and per video frame through `mm_processor_kwargs` (as transformers passes it to both processors);
+`num_frames` the frames sampled per video. Videos (`<|video|>` in the text) are expanded as `multimodal/video.py`
+says; each sampled frame becomes one item, in text order with the images.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,24 +23,30 @@ from PIL import Image
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 
 from srt.multimodal.inputs import ImageItem, MultimodalInputs
+from srt.multimodal.video import Video, VideoSettings, frames_prompt, preprocess_video
 
 SUPPORTED_SOFT_TOKENS = (70, 140, 280, 560, 1120)
-KNOWN_KWARGS = ("max_soft_tokens",)
+KNOWN_KWARGS = ("max_soft_tokens", "num_frames")
 
 
 class ImagePromptProcessor:
     """Expands a prompt's image placeholders and preprocesses its images (the tokenizer process's side)."""
 
-    def __init__(self, tokenizer, image_token_id: int, model_path: str | None = None) -> None:
+    def __init__(
+        self, tokenizer, image_token_id: int, model_path: str | None = None, video_token_id: int | None = None
+    ) -> None:
         self.tokenizer = tokenizer
         self.image_token_id = image_token_id
         self.image_token = tokenizer.convert_ids_to_tokens(image_token_id)
+        self.video_token_id = video_token_id
+        self.video_token = None if video_token_id is None else tokenizer.convert_ids_to_tokens(video_token_id)
         self.boi_token, self.eoi_token = tokenizer.boi_token, tokenizer.eoi_token
         config_dir = Path(model_path) if model_path else None
         if config_dir is not None and (config_dir / "preprocessor_config.json").is_file():
             self.image_processor = Gemma4ImageProcessorPil.from_pretrained(str(config_dir))
         else:  # a dummy preset: the published defaults
             self.image_processor = Gemma4ImageProcessorPil()
+        self.video_settings = VideoSettings.from_checkpoint(config_dir)
 
     def process(
         self,
@@ -45,43 +54,79 @@ class ImagePromptProcessor:
         images: list[Image.Image],
         add_special_tokens: bool = True,
         mm_processor_kwargs: dict | None = None,
+        videos: list[Video] | None = None,
     ) -> tuple[list[int], MultimodalInputs]:
-        """Token ids of `text` with each `<|image|>` expanded, and the images; ValueError naming the problem."""
+        """Token ids of `text` with each `<|image|>` and `<|video|>` expanded, and the images and video frames;
+        ValueError naming the problem."""
+        videos = videos or []
         kwargs = dict(mm_processor_kwargs or {})
         unknown = sorted(set(kwargs) - set(KNOWN_KWARGS))
         if unknown:
             raise ValueError(f"mm_processor_kwargs: unknown keys {unknown}; known: {list(KNOWN_KWARGS)}")
         if "max_soft_tokens" in kwargs and kwargs["max_soft_tokens"] not in SUPPORTED_SOFT_TOKENS:
             raise ValueError(f"mm_processor_kwargs.max_soft_tokens must be one of {SUPPORTED_SOFT_TOKENS}")
-        pieces = text.split(self.image_token)
-        if len(pieces) - 1 != len(images):
-            raise ValueError(
-                f"the prompt has {len(pieces) - 1} image placeholders ({self.image_token}) but {len(images)} "
-                "images were sent"
-            )
-        if not images:
+        num_frames = kwargs.pop("num_frames", None)
+        if num_frames is not None and (not isinstance(num_frames, int) or num_frames < 1):
+            raise ValueError("mm_processor_kwargs.num_frames must be a positive integer")
+        if videos and self.video_token is None:
+            raise ValueError("video_data: this model has no video token")
+        tokens = [self.image_token] + ([self.video_token] if self.video_token else [])
+        pieces = re.split("(" + "|".join(re.escape(t) for t in tokens) + ")", text)
+        marks = pieces[1::2]
+        for kind, token, sent in (("image", self.image_token, images), ("video", self.video_token, videos)):
+            wanted = marks.count(token) if token else 0
+            if wanted != len(sent):
+                raise ValueError(
+                    f"the prompt has {wanted} {kind} placeholders ({token}) but {len(sent)} {kind}s were sent"
+                )
+        if not images and not videos:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens), MultimodalInputs()
-        out = self.image_processor(images=images, return_tensors="np", **kwargs)
-        counts = [int(n) for n in out["num_soft_tokens_per_image"]]
+        frames: list[tuple[np.ndarray, np.ndarray, int]] = []  # (patches, positions, soft tokens), text order
+        image_frames = iter(self._images(images, kwargs))
+        video_parts = iter(videos)
         expanded = pieces[0]
-        for count, piece in zip(counts, pieces[1:], strict=True):
-            expanded += self.boi_token + self.image_token * count + self.eoi_token + piece
+        for mark, piece in zip(marks, pieces[2::2], strict=True):
+            if mark == self.image_token:
+                frame = next(image_frames)
+                frames.append(frame)
+                expanded += self.boi_token + self.image_token * frame[2] + self.eoi_token
+            else:
+                sampled, stamps = preprocess_video(
+                    next(video_parts), self.video_settings, num_frames, kwargs.get("max_soft_tokens")
+                )
+                frames += [(f.patches, f.positions, f.num_tokens) for f in sampled]
+                expanded += frames_prompt(
+                    stamps, sampled[0].num_tokens, self.boi_token, self.video_token, self.eoi_token
+                )
+            expanded += piece
         ids = self.tokenizer.encode(expanded, add_special_tokens=add_special_tokens)
-        offsets = _placeholder_runs(ids, self.image_token_id)
-        if [length for _, length in offsets] != counts:
+        placeholder_ids = {self.image_token_id} | ({self.video_token_id} if self.video_token else set())
+        offsets = _placeholder_runs(ids, placeholder_ids)
+        if [length for _, length in offsets] != [count for _, _, count in frames]:
             raise ValueError("the image placeholders did not survive tokenization as expected")
-        items = []
-        for (offset, count), patches, positions in zip(
-            offsets, out["pixel_values"], out["image_position_ids"], strict=True
-        ):
-            real = (positions >= 0).all(axis=-1)  # the processor pads to the budget with position -1
-            items.append(ImageItem.build(patches[real], positions[real], count, offset))
+        items = [
+            ImageItem.build(patches, positions, count, offset)
+            for (offset, count), (patches, positions, _) in zip(offsets, frames, strict=True)
+        ]
         return ids, MultimodalInputs(items)
 
+    def _images(self, images: list[Image.Image], kwargs: dict) -> list[tuple[np.ndarray, np.ndarray, int]]:
+        """Each image's real patches, their positions and its soft-token count (transformers' processor)."""
+        if not images:
+            return []
+        out = self.image_processor(images=images, return_tensors="np", **kwargs)
+        found = []
+        for patches, positions, count in zip(
+            out["pixel_values"], out["image_position_ids"], out["num_soft_tokens_per_image"], strict=True
+        ):
+            real = (positions >= 0).all(axis=-1)  # the processor pads to the budget with position -1
+            found.append((patches[real], positions[real], int(count)))
+        return found
 
-def _placeholder_runs(ids: list[int], token_id: int) -> list[tuple[int, int]]:
-    """(start, length) of each run of `token_id` in `ids`."""
-    marks = np.flatnonzero(np.asarray(ids) == token_id)
+
+def _placeholder_runs(ids: list[int], token_ids: set[int]) -> list[tuple[int, int]]:
+    """(start, length) of each run of placeholders (any of `token_ids`, a run of one kind) in `ids`."""
+    marks = np.flatnonzero(np.isin(np.asarray(ids), list(token_ids)))
     runs: list[tuple[int, int]] = []
     for position in marks.tolist():
         if runs and runs[-1][0] + runs[-1][1] == position:

@@ -1,7 +1,9 @@
-"""Image parts of OpenAI chat messages: `{"type": "image_url", "image_url": {"url": ...}}`.
+"""Image and video parts of OpenAI chat messages: `{"type": "image_url", "image_url": {"url": ...}}` and
+`{"type": "video_url", "video_url": {"url": ...}}`.
 
-The chat template renders each such part as the image placeholder (`<|image|>`); the URLs, in message order,
-become the request's `image_data` (data: URLs, or local files under --allowed-local-media-path).
+The chat template renders each such part as the image or video placeholder (`<|image|>`, `<|video|>`); the URLs,
+in message order, become the request's `image_data` and `video_data` (data: URLs, or local files under
+--allowed-local-media-path).
 """
 
 from __future__ import annotations
@@ -10,27 +12,32 @@ from typing import Any
 
 from srt.entrypoints.openai.response_parts import RequestError
 
+MEDIA_PARTS = {"image_url": "image", "video_url": "video"}  # part type -> the chat template's part type
 
-def is_image_part(part: dict[str, Any]) -> bool:
-    return part.get("type") == "image_url"
+
+def media_kind(part: dict[str, Any]) -> str | None:
+    """ "image" or "video" for a media part (what the template renders), None for any other part."""
+    return MEDIA_PARTS.get(part.get("type"))
 
 
 def image_url(part: dict[str, Any], message_index: int) -> str:
-    """The URL of an image part; RequestError naming `messages` when it has none."""
-    value = part.get("image_url")
+    """The URL of an image or video part; RequestError naming `messages` when it has none."""
+    kind = part.get("type")
+    value = part.get(kind)
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
-        raise RequestError(f"messages[{message_index}].content: an image_url part needs image_url.url", "messages")
+        raise RequestError(f"messages[{message_index}].content: a {kind} part needs {kind}.url", "messages")
     return url
 
 
-def chat_image_urls(messages: list) -> list[str]:
-    """Every image part's URL, in the order the template renders them."""
-    urls = []
+def chat_media_urls(messages: list) -> tuple[list[str], list[str]]:
+    """Every image part's URL and every video part's URL, each in the order the template renders them."""
+    found: dict[str, list[str]] = {"image": [], "video": []}
     for i, message in enumerate(messages):
         if isinstance(message.content, list):
             for part in message.content:
                 part = part if isinstance(part, dict) else part.model_dump()
-                if is_image_part(part):
-                    urls.append(image_url(part, i))
-    return urls
+                kind = media_kind(part)
+                if kind is not None:
+                    found[kind].append(image_url(part, i))
+    return found["image"], found["video"]

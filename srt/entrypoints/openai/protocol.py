@@ -161,6 +161,8 @@ class ChatCompletionRequest(SamplingExtensions):
     parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
     separate_reasoning: bool = True  # SGLang's: False leaves the thought channel in the content
+    # vLLM's: the image and video processors' settings, e.g. {"max_soft_tokens": 70, "num_frames": 8}
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 def error_body(message: str, param: str | None = None, code: str | None = None) -> dict:

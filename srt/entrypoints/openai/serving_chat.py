@@ -13,7 +13,7 @@ from functools import cache
 import jinja2
 
 from srt.entrypoints.openai.chat_features import ChatDelta, ChatFeatures, ChatOutputParser, parse_reply
-from srt.entrypoints.openai.chat_images import chat_image_urls, is_image_part
+from srt.entrypoints.openai.chat_images import chat_media_urls, media_kind
 from srt.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, ToolCallMessage
 from srt.entrypoints.openai.response_parts import (
     SSE_DONE,
@@ -43,7 +43,7 @@ class ChatRun:
         prompt = apply_chat_template(
             tm.tokenizer, request.messages, request.chat_template_kwargs or {}, self.features.tools
         )
-        images = chat_image_urls(request.messages)
+        images, videos = chat_media_urls(request.messages)
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         self.obj = GenerateReqInput(
             text=prompt,
@@ -54,6 +54,8 @@ class ChatRun:
             add_special_tokens=False,
             return_emit_ts=request.return_emit_ts,
             image_data=images or None,
+            video_data=videos or None,
+            mm_processor_kwargs=request.mm_processor_kwargs,
         )
         try:
             self.prepared = tm.prepare(self.obj)
@@ -188,12 +190,14 @@ def apply_chat_template(tokenizer, messages: list[ChatMessage], kwargs: dict, to
             parts = []
             for part in content:
                 part = part if isinstance(part, dict) else part.model_dump()
-                if is_image_part(part):
-                    parts.append({"type": "image"})
+                kind = media_kind(part)
+                if kind is not None:
+                    parts.append({"type": kind})
                     continue
                 if part.get("type") != "text" or not isinstance(part.get("text"), str):
                     raise RequestError(
-                        f"messages[{i}].content: only text and image_url parts are supported, got {part.get('type')!r}",
+                        f"messages[{i}].content: only text, image_url and video_url parts are supported,"
+                        f" got {part.get('type')!r}",
                         param="messages",
                     )
                 parts.append({"type": "text", "text": part["text"]})
