@@ -1,9 +1,10 @@
 """A server whose scheduler or detokenizer dies says so and, by default, exits (issue #29, item 5).
 
-With --exit-on-child-death (the default): open streams end with an error event and `[DONE]`, the server exits
-with status 1 within seconds, and no process or socket file is left behind. With --no-exit-on-child-death it
-stays up: /health answers 503, every request a 503 error, /server_info a 503 at once. A main process killed
-by SIGKILL leaves nothing behind either: its children notice and remove the socket files.
+With --exit-on-child-death (the default), the scheduler killed: open streams end with an error event and
+`[DONE]`, the server exits with status 1 within seconds, and no process or socket file is left behind. With
+--no-exit-on-child-death, the detokenizer killed: the server stays up, /health answers 503, every request a
+503 error, /server_info a 503 at once, and the cut stream counts as an abort in the metrics. Its main process
+then killed by SIGKILL leaves nothing behind either: the scheduler notices and removes the socket files.
 
 Each test starts its own server: the module-wide one of test_serving_openai.py must stay healthy.
 """
@@ -18,7 +19,6 @@ import time
 from pathlib import Path
 
 import httpx
-import pytest
 from serving_fixtures import PRESET, Server, alive, child_pids, start_server
 
 EXIT_BOUND_S = 10  # "exits within seconds", with room for a loaded 2-core machine
@@ -79,8 +79,8 @@ def assert_nothing_left(children: list[int], tmp_path: Path) -> None:
     assert not list((tmp_path / "tmp").glob("srt-ipc-*")), "socket files left behind"
 
 
-@pytest.mark.parametrize("victim", ["scheduler", "detokenizer"])
-def test_a_dead_child_ends_open_streams_with_an_error_and_the_server_exits_1(tiny_checkpoint, tmp_path, victim):
+def test_a_dead_scheduler_ends_open_streams_with_an_error_and_the_server_exits_1(tiny_checkpoint, tmp_path):
+    victim = "scheduler"
     server = start_in_tmpdir(tiny_checkpoint(PRESET), tmp_path)
     children = sorted(child_pids(server.proc.pid))
     try:
@@ -97,30 +97,32 @@ def test_a_dead_child_ends_open_streams_with_an_error_and_the_server_exits_1(tin
                 break
         assert time.monotonic() - killed <= HEALTH_BOUND_S, f"/health still {status} {HEALTH_BOUND_S} s on"
         code = server.proc.wait(EXIT_BOUND_S)
+        exited = time.monotonic() - killed
         stream.join(EXIT_BOUND_S)
     finally:
         server.stop()
-    print(f"{victim} killed: the server exited with {code} after {time.monotonic() - killed:.2f} s")
+    print(f"{victim} killed: the server exited with {code} after {exited:.2f} s")
     assert code == 1, server.log.read_text()[-2000:]
     assert_ends_with_error_event(stream.events)
     assert f"the {victim} process exited unexpectedly" in server.log.read_text()
     assert_nothing_left(children, tmp_path)
 
 
-def test_without_exit_on_child_death_the_server_stays_up_answering_503(tiny_checkpoint, tmp_path) -> None:
+def test_without_exit_on_child_death_the_server_stays_up_answering_503_until_killed(tiny_checkpoint, tmp_path):
+    """Then SIGKILL of the main process: the surviving child exits and removes the socket files."""
     model = tiny_checkpoint(PRESET)
     server = start_in_tmpdir(model, tmp_path, "--no-exit-on-child-death")
     children = sorted(child_pids(server.proc.pid))
     try:
         stream = StreamReader(server.url)
         assert stream.started.wait(30), "the stream never started"
-        os.kill(serving_child(server, "scheduler"), signal.SIGKILL)
+        os.kill(serving_child(server, "detokenizer"), signal.SIGKILL)
         killed = time.monotonic()
         while (health := httpx.get(f"{server.url}/health", timeout=5)).status_code != 503:
             assert time.monotonic() - killed < HEALTH_BOUND_S, f"/health still 200 {HEALTH_BOUND_S} s on"
             time.sleep(0.02)
         print(f"/health 503 {time.monotonic() - killed:.3f} s after the kill")
-        assert health.json()["status"] == "failed" and "scheduler" in health.json()["message"]
+        assert health.json()["status"] == "failed" and "detokenizer" in health.json()["message"]
         stream.join(EXIT_BOUND_S)
         assert_ends_with_error_event(stream.events)
         response = httpx.post(
@@ -136,15 +138,9 @@ def test_without_exit_on_child_death_the_server_stays_up_answering_503(tiny_chec
         metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
         assert 'srt_requests_total{model_name="' in metrics and 'reason="abort"} 1.0' in metrics, metrics
         assert server.proc.poll() is None, "the server exited although --no-exit-on-child-death"
+        assert list((tmp_path / "tmp").glob("srt-ipc-*")), "the socket directory is not where the test looks"
+        server.proc.kill()  # SIGKILL: the main process cannot clean up; the scheduler must
+        server.proc.wait()
     finally:
         server.stop()
-    assert_nothing_left(children, tmp_path)
-
-
-def test_a_main_process_killed_by_sigkill_leaves_no_child_and_no_socket_file(tiny_checkpoint, tmp_path) -> None:
-    server = start_in_tmpdir(tiny_checkpoint(PRESET), tmp_path)
-    children = sorted(child_pids(server.proc.pid))
-    assert list((tmp_path / "tmp").glob("srt-ipc-*")), "the socket directory is not where the test looks"
-    server.proc.kill()
-    server.proc.wait()
     assert_nothing_left(children, tmp_path)
