@@ -6,7 +6,8 @@ the default --max-queued-requests (16) and --request-timeout 1.5:
 - a full server: /health says "overloaded" (still 200), the next request is refused at once (429
   queue_full); streams waiting in the queue have their headers already; requests that wait past
   --request-timeout are dropped and answered (429 queue_timeout, or an error event in a stream) while the
-  running ones finish; the metrics count both.
+  running ones finish; the metrics count both;
+- a stream the client leaves counts as an abort in srt_requests_total; /openapi.json documents the 429.
 """
 
 from __future__ import annotations
@@ -150,3 +151,20 @@ def test_a_full_server_refuses_at_once_and_times_out_what_waits_too_long(server)
     assert timed_out == MAX_QUEUED
     wait_idle(server.url)
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+def test_a_stream_the_client_leaves_counts_as_an_abort_and_frees_its_slots(server):
+    wait_idle(server.url)
+    aborted = 'srt_requests_total{model_name="m",reason="abort"}'
+    before = metric(server.url, aborted)
+    with httpx.stream("POST", f"{server.url}/generate", json={**BLOCKER, "stream": True}, timeout=60) as response:
+        next(response.iter_lines())  # the first event: the request runs; leaving closes the connection
+    wait_for(lambda: metric(server.url, aborted) == before + 1, "the abort counted")
+    wait_idle(server.url)
+
+
+def test_openapi_documents_the_429_of_generation_routes(server):
+    paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
+        assert "429" in paths[path]["post"]["responses"], path
+    assert "429" not in paths["/tokenize"]["post"]["responses"]
