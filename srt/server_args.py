@@ -166,7 +166,8 @@ class ServerArgs:
     exit_on_child_death: bool = _arg(
         True,
         "Stop the server with exit code 1 when the scheduler or detokenizer process dies (open requests get "
-        "errors first), so a supervisor restarts it; --no-exit-on-child-death keeps it up answering 503.",
+        "errors first), so a supervisor restarts it. On by default; --no-exit-on-child-death keeps the server "
+        "up, answering 503.",
     )
 
     def __post_init__(self) -> None:
