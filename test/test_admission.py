@@ -23,6 +23,9 @@ import pytest
 from serving_fixtures import PRESET, start_server
 from test_soak import rss_mb, wait_idle
 
+from srt.managers.admission import Admission, Overloaded
+from srt.server_args import ServerArgs
+
 MAX_RUNNING = 4
 MAX_QUEUED = 16  # the default: 4 x --max-running-requests
 # Long enough to fill the queue before the first queued request times out, short enough that all of them time
@@ -172,3 +175,31 @@ def test_openapi_documents_the_429_of_generation_routes(server):
     for path in ("/generate", "/v1/completions", "/v1/chat/completions"):
         assert "429" in paths[path]["post"]["responses"], path
     assert "429" not in paths["/tokenize"]["post"]["responses"]
+
+
+def test_admission_counts_samples_and_tickets_give_back_once():
+    admission = Admission(ServerArgs(max_running_requests=2, max_queued_requests=3))
+    assert admission.limit == 5 and not admission.full
+    pair = admission.admit(2)  # a request with n=2
+    three = admission.admit(3)
+    assert (admission.in_flight, admission.queued, admission.full) == (5, 3, True)
+    with pytest.raises(Overloaded) as refused:
+        admission.check()
+    assert refused.value.code == "queue_full" and refused.value.retry_after == 1
+    pair.release()
+    pair.release()  # a stream's response and its generator may both give it back
+    assert (admission.in_flight, admission.queued) == (3, 1)
+    admission.admit(2)
+    three.release()
+    assert admission.in_flight == 2
+    with pytest.raises(ValueError, match="n must be at most 5"):
+        admission.check(6)  # could never fit: a 400, not a 429 the client would retry forever
+
+
+def test_the_default_queue_is_four_batches_and_flags_are_checked():
+    assert Admission(ServerArgs(max_running_requests=4)).limit == 4 + 16
+    assert Admission(ServerArgs(max_running_requests=3, max_queued_requests=0)).limit == 3
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        ServerArgs(max_queued_requests=-1)
+    with pytest.raises(ValueError, match="request_timeout"):
+        ServerArgs(request_timeout=0)
