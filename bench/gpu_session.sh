@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md, in as few device calls as possible:
 #
 #     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase graph_steps yoco tune_norm moe serving
-#                                              serving_ab serving_ref profile mtp)
+#                                              serving_ab serving_ref profile mtp mm)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
 # serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
@@ -48,6 +48,13 @@ stage_mtp() {  # MTP: plain decode step vs draft round vs verify step, ms per ou
             --speculative-draft-model-path gemma-4-$model-it-assistant --batch-size ${MTP_BATCH:-1 32} \
             --input-len 512 --output-len ${MTP_OUTPUT_LEN:-128} --json "$RESULTS/mtp-$model.json" 2>&1 \
             | grep -E "^batch|Error|error"
+    done
+}
+
+stage_mm() {  # the vision encoder: one call per image vs one batched call per size bucket (MODELS: E2B 26B-A4B)
+    for model in ${MODELS:-E2B 26B-A4B}; do
+        timeout 200 python3 bench/bench_mm_encoder.py --model gemma-4-$model-it --images-per-request 6 \
+            --requests 1 4 --image-size 480 480 --json "$RESULTS/mm-encoder-$model.json" 2>&1 | grep -E "x|Error"
     done
 }
 

@@ -73,8 +73,8 @@ def decode_run(scheduler: Scheduler, prompts: list[list[int]], output_len: int, 
 
 def run_mtp_latency(server_args: ServerArgs, batch_sizes: list[int], input_len: int, output_len: int) -> dict:
     scheduler = Scheduler(server_args)
-    runner, drafter = scheduler.runner, scheduler.drafter
-    rows = drafter.num_steps + 1
+    runner, spec = scheduler.runner, scheduler.spec
+    rows = spec.num_steps + 1
     timer = CallTimer()
     current = {"batch_size": 0}
 
@@ -94,11 +94,11 @@ def run_mtp_latency(server_args: ServerArgs, batch_sizes: list[int], input_len: 
         prompts = torch.randint(3, runner.model_config.vocab_size, (batch_size, input_len), generator=generator)
         row = {"batch_size": batch_size, "input_len": input_len, "output_len": output_len}
         for mode in ("plain", "mtp"):
-            scheduler.drafter = drafter if mode == "mtp" else None
+            scheduler.spec = spec if mode == "mtp" else None
             decode_run(scheduler, prompts[:, :16].tolist(), 4, f"warm-{mode}-{batch_size}")
             for name in ("decode", "verify", "draft"):
                 timer.mean_ms(name)  # drop the warm-up's calls
-            counts_before = list(scheduler.accept_counts)
+            counts_before = list(spec.accept_counts)
             seconds = decode_run(scheduler, prompts.tolist(), output_len, f"{mode}-{batch_size}")
             tokens = output_len - 1  # per request, after its first (the prefill's)
             row[f"{mode}_ms_per_token"] = seconds / tokens * 1e3
@@ -107,7 +107,7 @@ def run_mtp_latency(server_args: ServerArgs, batch_sizes: list[int], input_len: 
                 row["decode_step_ms"] = timer.mean_ms("decode")
             else:
                 row["draft_round_ms"], row["verify_step_ms"] = timer.mean_ms("draft"), timer.mean_ms("verify")
-                rounds = [a - b for a, b in zip(scheduler.accept_counts, counts_before, strict=True)]
+                rounds = [a - b for a, b in zip(spec.accept_counts, counts_before, strict=True)]
                 row["accept_length"] = sum((n + 1) * r for n, r in enumerate(rounds)) / max(1, sum(rounds))
         row["speedup"] = row["plain_ms_per_token"] / row["mtp_ms_per_token"]
         if row["decode_step_ms"] and row["draft_round_ms"] and row["verify_step_ms"]:
@@ -115,7 +115,7 @@ def run_mtp_latency(server_args: ServerArgs, batch_sizes: list[int], input_len: 
             row["ideal_speedup"] = row["accept_length"] * row["decode_step_ms"] / round_ms
         results.append(row)
         scheduler.check_integrity()
-    return {"device": str(runner.device), "num_steps": drafter.num_steps, "mtp": results}
+    return {"device": str(runner.device), "num_steps": spec.num_steps, "mtp": results}
 
 
 def _ms(row: dict, key: str) -> str:

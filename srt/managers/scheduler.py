@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.envs import simulated_accept_len
 from srt.forward.forward_batch import ForwardMode
 from srt.managers import request_kv
 from srt.managers.io_struct import FinishReason, ReqOutput, TokenizedGenerateReq
@@ -48,8 +47,9 @@ from srt.managers.request_output import (
 )
 from srt.managers.schedule_batch import Req, ScheduleBatch, ScheduledReq, fill_drafts
 from srt.managers.schedule_policy import PrefillBudget, order_waiting
+from srt.managers.speculation import Speculation
 from srt.managers.tokenizer_loader import load_grammar_vocab
-from srt.managers.verify_round import VerifyRound, num_drafts_for, speculates
+from srt.managers.verify_round import VerifyRound
 from srt.mem_cache.base_prefix_cache import PrefixCache
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.swa_radix_cache import SWARadixCache
@@ -57,9 +57,8 @@ from srt.model_executor.model_runner import ModelRunner
 from srt.multimodal.chunking import chunk_without_split_image
 from srt.sampling.batch_sampler import BatchSampler
 from srt.sampling.grammar import GrammarMatchers
-from srt.sampling.sampler import SamplingBatch, make_generator
+from srt.sampling.sampler import make_generator
 from srt.server_args import ServerArgs
-from srt.speculative.frozen_kv_mtp import DraftRequests
 
 logger = logging.getLogger(__name__)
 
@@ -82,32 +81,23 @@ class Scheduler:
         self.runner = runner or ModelRunner(server_args)
         self.allocator = self.runner.token_allocator
         self.req_to_token_pool = self.runner.req_to_token_pool
-        self.drafter = self.runner.drafter
+        drafter = self.runner.drafter
         # the sliding-window KV each request keeps: the target's window, and what the drafter reads beyond it
-        self.sliding_window = self.runner.model_config.sliding_window + (
-            self.drafter.extra_swa_tokens if self.drafter else 0
-        )
+        self.sliding_window = self.runner.model_config.sliding_window + (drafter.extra_swa_tokens if drafter else 0)
         self.cache: PrefixCache = (
             ChunkCache(self.allocator)
             if server_args.disable_radix_cache
             else SWARadixCache(self.allocator, self.sliding_window)
         )
-        self.accept_len = simulated_accept_len() if self.drafter else None
-        if self.accept_len is not None and server_args.load_format != "dummy":
-            raise ValueError("SRT_SIMULATE_ACCEPT_LEN changes outputs: it is for benchmarks with --load-format dummy")
-        # verify rounds by accepted drafts (0 .. K), for /metrics and the status log
-        self.accept_counts = [0] * (self.drafter.num_steps + 1 if self.drafter else 1)
-        self._verify_sampling: tuple[list[Req], SamplingBatch] | None = None
         self._draft_tokens = 0  # drafts of the decode items of the step being scheduled
-        # the next round's drafts, launched right after a verify step (requests, drafts, their KV lengths once
-        # the step is read): used when the next step verifies the same requests
-        self._drafts_ahead: tuple[list[Req], torch.Tensor, list[int] | None] | None = None
         self.eos_ids = set(self.runner.eos_token_ids)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.num_retractions = 0
         # requests without a seed of their own draw from this one, seeded by --seed
         self.default_generator = make_generator(server_args.seed, self.runner.device)
+        # speculative decoding (None without an assistant)
+        self.spec = Speculation(self.runner, server_args.load_format, self.default_generator) if drafter else None
         # the sampler of the last sampled requests, kept while the same requests decode
         self._sampler: tuple[list[Req], BatchSampler] | None = None
         self.overlap = not server_args.disable_overlap_schedule
@@ -268,10 +258,9 @@ class Scheduler:
 
     def _decode_item(self, req: Req) -> ScheduledReq:
         """A decoding request's share of a step: its newest token, and drafts to verify when it speculates."""
-        drafts = 0
-        if self.drafter is not None and req.draft_hidden is not None:
-            drafts = num_drafts_for(req, self.drafter.num_steps, self.runner.context_len)
-        return ScheduledReq(req, 1 + drafts, True, decode=True, num_drafts=drafts)
+        if self.spec is not None:
+            return self.spec.decode_item(req)
+        return ScheduledReq(req, 1, True, decode=True)
 
     def _continued_decode(self, previous: _Launched) -> ScheduleBatch | None:
         """The decode step after `previous`, launched before its tokens are read; None when anything changed."""
@@ -304,7 +293,7 @@ class Scheduler:
     def _launch(self, batch: ScheduleBatch, input_ids: torch.Tensor | None = None) -> _Launched:
         """Queue the forward and the sampling of `batch`; `input_ids` (device): a continued decode's tokens."""
         verify_items = [item for item in batch.items if item.num_drafts]
-        drafts = self._draft([item.req for item in verify_items]) if verify_items else None
+        drafts = self.spec.draft([item.req for item in verify_items]) if verify_items else None
         slots = self.allocator.alloc(sum(item.num_tokens for item in batch.items))
         pools = (self.req_to_token_pool, self.runner.kv_pool)
         forward_batch = batch.to_forward_batch(slots, *pools, input_ids)
@@ -339,14 +328,8 @@ class Scheduler:
             if item.req.kv_len >= len(item.req.prompt_ids):
                 item.req.prompt_logprobs_done = True
         sampled_reqs = [item.req for item in sampled_items]
-        verify = None
-        if verify_items:
-            verify_reqs = [item.req for item in verify_items]
-            verify = VerifyRound.launch(
-                verify_reqs, [item.num_drafts for item in verify_items], verify_rows, drafts, logits,
-                output.greedy_ids, output.hidden_states, self._verify_sampling_of(verify_reqs), self.accept_len,
-            )  # fmt: skip
-        if self.drafter is not None and sampled_reqs:
+        verify = self.spec.launch_verify(verify_items, verify_rows, drafts, output) if verify_items else None
+        if self.spec is not None and sampled_reqs:
             # the next round drafts from the hidden state that sampled each request's newest token
             for req, hidden in zip(sampled_reqs, output.hidden_states[sample_rows], strict=True):
                 req.draft_hidden = hidden
@@ -358,30 +341,16 @@ class Scheduler:
                 greedy_ids = None if greedy_ids is None else greedy_ids[sample_rows]
             sampled = self._sample(sampled_reqs, logits, greedy_ids)
         if verify is not None:
-            # last: a draft graph's replay may reuse the memory of this step's outputs (one graph pool), so
-            # everything that reads them is queued before it
-            rows = [req.req_pool_idx for req in verify.reqs]
-            ahead = self.runner.draft_ahead(verify.next_newest, verify.next_hidden, verify.next_kv_lens, rows)
-            self._drafts_ahead = None if ahead is None else (verify.reqs, ahead, None)
+            self.spec.draft_ahead(verify)  # last: its graph may reuse the memory of this step's outputs
         return _Launched(batch, sampled_reqs, sampled, verify)
 
     def _finish(self, launched: _Launched) -> list[ReqOutput]:
         """Read a launched batch's tokens; stop checks, releases and caching; what each request produced."""
         if launched.sampled is not None:
             append_samples(launched.sampled_reqs, launched.sampled)
-        if launched.verify is not None:
+        if self.spec is not None:
             pools = (self.req_to_token_pool, self.allocator)
-            for num in launched.verify.apply(self.eos_ids, self.runner.context_len, *pools, self.sliding_window):
-                self.accept_counts[num] += 1
-            if self._drafts_ahead is not None and self._drafts_ahead[0] is launched.verify.reqs:
-                reqs, drafts, _ = self._drafts_ahead
-                self._drafts_ahead = (reqs, drafts, [req.kv_len for req in reqs])
-        if self.drafter is not None:
-            # a speculating request's last tokens, with nothing left to draft, are rounds of their own
-            for item in launched.batch.items:
-                if item.decode and not item.num_drafts and speculates(item.req):
-                    item.req.spec_verify_ct += 1
-                    self.accept_counts[0] += 1
+            self.spec.finish(launched.verify, launched.batch.items, self.eos_ids, pools, self.sliding_window)
         outputs, out_of_window = [], []
         for item in launched.batch.items:
             req = item.req
@@ -420,36 +389,6 @@ class Scheduler:
             )
         self._sampler = (reqs, sampler)
         return sample_tokens(sampler, logits, greedy_ids)
-
-    def _draft(self, reqs: list[Req]) -> torch.Tensor:
-        """[reqs, K] drafts from each request's newest token and the hidden state that sampled it; those the
-        step before launched for the same requests in the same state, when it did."""
-        ahead, self._drafts_ahead = self._drafts_ahead, None
-        if ahead is not None and ahead[2] is not None and len(ahead[0]) == len(reqs):
-            same = all(a is b and a.kv_len == n for a, b, n in zip(ahead[0], reqs, ahead[2], strict=True))
-            if same:
-                return ahead[1]
-        device = self.runner.device
-        newest = torch.tensor([req.output_ids[-1] for req in reqs], dtype=torch.int64).to(device, non_blocking=True)
-        hidden = torch.stack([req.draft_hidden for req in reqs])
-        rows = [req.req_pool_idx for req in reqs]
-        return self.runner.draft(DraftRequests(newest, hidden, [req.kv_len for req in reqs], rows))
-
-    def _verify_sampling_of(self, reqs: list[Req]) -> SamplingBatch | None:
-        """The verify rows' sampling parameters (each request's repeated over its K + 1 rows); None when every
-        request is greedy. Kept while the same requests verify."""
-        if all(req.params.sampling_params.is_greedy for req in reqs):
-            return None
-        cached = self._verify_sampling
-        if cached is None or len(cached[0]) != len(reqs) or any(a is not b for a, b in zip(cached[0], reqs)):
-            rows = self.drafter.num_steps + 1
-            params = [req.params.sampling_params for req in reqs for _ in range(rows)]
-            sampling = SamplingBatch.build(
-                params, self.runner.model_config.vocab_size, self.runner.device,
-                default_generator=self.default_generator,
-            )  # fmt: skip
-            self._verify_sampling = cached = (reqs, sampling)
-        return cached[1]
 
     def _release(self, req: Req) -> None:
         request_kv.release(req, self.req_to_token_pool, self.cache)

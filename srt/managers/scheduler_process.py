@@ -169,7 +169,7 @@ class SchedulerLoop:
             pools=pool_stats(self.scheduler),
             num_retractions=self.scheduler.num_retractions,
             generated_tokens_total=self.generated_tokens_total,
-            spec_accept_counts=list(self.scheduler.accept_counts) if self.scheduler.drafter else [],
+            spec_accept_counts=list(self.scheduler.spec.accept_counts) if self.scheduler.spec else [],
         )
 
     def _check_integrity(self) -> None:
@@ -223,9 +223,11 @@ class StatusLog:
 
     def _accept_length(self, scheduler: Scheduler) -> str:
         """ ", accept length L" (tokens per verify round since the last line) under speculative decoding."""
-        counts = scheduler.accept_counts
+        if scheduler.spec is None:
+            return ""
+        counts = scheduler.spec.accept_counts
         last, self.last_accept_counts = self.last_accept_counts or [0] * len(counts), list(counts)
         rounds = [now - before for now, before in zip(counts, last, strict=True)]
-        if not scheduler.drafter or not sum(rounds):
+        if not sum(rounds):
             return ""
         return f", accept length {sum((n + 1) * r for n, r in enumerate(rounds)) / sum(rounds):.2f}"

@@ -89,8 +89,10 @@ class VerifyRound:
         parameters, None when all are greedy. Sets each request's `draft_hidden` for the next round."""
         device = logits.device
         k = drafts.shape[1]
-        first = torch.tensor(first_rows, dtype=torch.int64, device=device)
-        counts = torch.tensor(num_drafts, dtype=torch.int64, device=device)
+        # each kv_len already counts all its verify rows; a round keeps the newest token and its accepted drafts
+        kept_before = [req.kv_len - n for req, n in zip(reqs, num_drafts, strict=True)]
+        host = torch.tensor([first_rows, num_drafts, kept_before], dtype=torch.int64)
+        first, counts, kv_lens = host.to(device, non_blocking=True)  # one copy
         # [batch, K + 1] logits row of each verify row; a request's rows past its drafts repeat its last one
         steps = torch.arange(k + 1, device=device)
         rows = first[:, None] + torch.minimum(steps[None, :], counts[:, None])
@@ -115,9 +117,7 @@ class VerifyRound:
                 top = top_logprobs(row_logits, top_num)
                 tensors += [top.ids.view(len(reqs), k + 1, -1), top.values.view(len(reqs), k + 1, -1)]
         next_newest = accepted.tokens.gather(1, accepted.num_accepted[:, None])[:, 0]
-        # each kv_len already counts all its verify rows; the kept ones are the newest token and n drafts
-        launched = torch.tensor([req.kv_len - n for req, n in zip(reqs, num_drafts, strict=True)], device=device)
-        next_kv_lens = launched + accepted.num_accepted
+        next_kv_lens = kv_lens + accepted.num_accepted
         copies = DeviceToHost(tensors)
         return cls(reqs, num_drafts, accepted, copies, has_logprobs, top_num, next_newest, hidden, next_kv_lens)
 

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from srt.configs.model_config import ModelConfig
+from srt.model_loader.fp8 import FP8, dequantize, scheme_of_checkpoint
 from srt.model_loader.weight_names import AUDIO_PREFIXES, to_param_name
 from srt.models.gemma4 import Gemma4ForCausalLM
 from srt.models.gemma4_mm import Gemma4ForConditionalGeneration
@@ -81,6 +82,9 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
     loaded: set[str] = set()
     unexpected, mis_shaped = [], []
     audio = 0
+    scheme = scheme_of_checkpoint(model_path)
+    fp8_weights: dict[str, torch.Tensor] = {}  # dequantized once every shard is read (scales may come later)
+    fp8_scales: dict[str, torch.Tensor] = {}
     files = safetensors_files(model_path)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     total = sum(len(h.keys()) for h in handles)
@@ -88,6 +92,9 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
         for handle in handles:
             for checkpoint_name in handle.keys():
                 progress.update(1)
+                if checkpoint_name.endswith(".weight_scale"):
+                    fp8_scales[checkpoint_name.removesuffix("_scale")] = handle.get_tensor(checkpoint_name)
+                    continue
                 audio += checkpoint_name.startswith(AUDIO_PREFIXES)
                 name = to_param_name(checkpoint_name, config)
                 if name is None:
@@ -96,11 +103,28 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
                     unexpected.append(checkpoint_name)
                     continue
                 tensor = handle.get_tensor(checkpoint_name)
+                if tensor.dtype == FP8:
+                    fp8_weights[checkpoint_name] = tensor
+                    continue
                 if tuple(tensor.shape) != tuple(state[name].shape):
                     mis_shaped.append(f"{checkpoint_name}: {tuple(tensor.shape)} != {tuple(state[name].shape)}")
                     continue
                 state[name].copy_(tensor)
                 loaded.add(name)
+    for checkpoint_name, q in fp8_weights.items():
+        name = to_param_name(checkpoint_name, config)
+        scale = fp8_scales.pop(checkpoint_name, None)
+        if scheme is None or scale is None:
+            what = "no quantization_config in config.json" if scheme is None else "no weight_scale beside it"
+            unexpected.append(f"{checkpoint_name} (float8, {what})")
+        elif tuple(q.shape) != tuple(state[name].shape):
+            mis_shaped.append(f"{checkpoint_name}: {tuple(q.shape)} != {tuple(state[name].shape)}")
+        else:
+            state[name].copy_(dequantize(q, scale, scheme, state[name].dtype))
+            loaded.add(name)
+    unexpected += [f"{name}_scale (no float8 weight)" for name in fp8_scales]
+    if fp8_weights and scheme is not None:
+        logger.info("dequantized %d FP8 weights (%s) of %s", len(fp8_weights), scheme.strategy, model_path)
     if audio:
         logger.info("skipped %d audio tensors of %s: srt does not serve audio input yet", audio, model_path)
     missing = sorted(set(state) - loaded)

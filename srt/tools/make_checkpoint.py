@@ -43,7 +43,9 @@ from transformers.models.gemma4.modeling_gemma4 import (
 from transformers.models.gemma4_assistant.modeling_gemma4_assistant import Gemma4AssistantMaskedEmbedder
 
 from srt.configs import presets
+from srt.model_loader.fp8 import SCHEMES
 from srt.tools import tokenizer_builder
+from srt.tools.fp8_checkpoint import quantize_checkpoint
 
 # Standard deviations of the random init. The LM head is tied to the embeddings, so EMBED_STD sets the spread
 # of the final logits: with hidden_size 64 they have std ~1.6 and the top-1/top-2 gap has a median of ~0.3
@@ -72,9 +74,11 @@ def make_checkpoint(
     dtype: str = "float32",
     max_shard_size: str | None = None,
     multimodal: bool = False,
+    quantize: str | None = None,
 ) -> Path:
     """Build the tiny checkpoint of `preset` in directory `out` (created if needed) and return its path;
-    `multimodal`: a `Gemma4ForConditionalGeneration` with a vision tower and the image processor's files."""
+    `multimodal`: a `Gemma4ForConditionalGeneration` with a vision tower and the image processor's files;
+    `quantize`: "fp8-dynamic" or "fp8-block", the Linear weights in FP8 (compressed-tensors)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     if presets.is_assistant_preset(preset):
@@ -97,6 +101,8 @@ def make_checkpoint(
     else:
         model = Gemma4ForCausalLM(config)
     out = _save_random(model, out, seed, dtype, max_shard_size)
+    if quantize is not None:
+        quantize_checkpoint(out, quantize, model)
     if full_config is not None:
         _save_image_processor(out)
     GenerationConfig(
@@ -229,8 +235,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--multimodal", action="store_true", help="Gemma4ForConditionalGeneration with a vision tower (as published)"
     )
+    parser.add_argument(
+        "--quantize", choices=SCHEMES, help="Linear weights in FP8 (compressed-tensors): per-channel or 128x128 blocks"
+    )
     args = parser.parse_args(argv)
-    path = make_checkpoint(args.preset, args.out, args.seed, args.dtype, args.max_shard_size, args.multimodal)
+    path = make_checkpoint(
+        args.preset, args.out, args.seed, args.dtype, args.max_shard_size, args.multimodal, args.quantize
+    )
     print(f"wrote {args.preset} (seed {args.seed}, {args.dtype}) to {path}")
 
 
