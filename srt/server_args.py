@@ -152,6 +152,23 @@ class ServerArgs:
         64.0,
         "Largest HTTP request body accepted, in MiB; a larger one gets HTTP 413 before it is read to the end.",
     )
+    max_queued_requests: int | None = _arg(
+        None,
+        "Most requests waiting for a place in the running batch; beyond --max-running-requests + this many in "
+        "flight, a new request gets HTTP 429 with Retry-After (each of n samples counts). Default: 4 x "
+        "--max-running-requests, so a queued request waits for at most about four batches ahead of it.",
+    )
+    request_timeout: float | None = _arg(
+        None,
+        "Seconds a request may wait in the queue before it is admitted to the running batch; one that waits "
+        "longer is dropped and answered HTTP 429 (a stream: an error event). Default: no limit.",
+    )
+    exit_on_child_death: bool = _arg(
+        True,
+        "Stop the server with exit code 1 when the scheduler or detokenizer process dies (open requests get "
+        "errors first), so a supervisor restarts it. On by default; --no-exit-on-child-death keeps the server "
+        "up, answering 503.",
+    )
 
     def __post_init__(self) -> None:
         if self.speculative_draft_model_path and self.speculative_algorithm is None:
@@ -184,6 +201,10 @@ class ServerArgs:
             raise ValueError(f"port must be in [0, 65535]; got {self.port}")
         if self.max_request_body_mb <= 0:
             raise ValueError(f"max_request_body_mb must be > 0; got {self.max_request_body_mb}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0; got {self.max_queued_requests}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0; got {self.request_timeout}")
         if self.log_interval < 0:
             raise ValueError(f"log_interval must be >= 0; got {self.log_interval}")
         if self.speculative_algorithm and not self.speculative_draft_model_path:
@@ -200,7 +221,9 @@ class ServerArgs:
             flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
             kind = _cli_type(f)
             if kind is bool:
-                parser.add_argument(*flags, dest=f.name, action="store_true", help=f.metadata["help"])
+                # a switch that is on by default also gets its --no- form
+                action = argparse.BooleanOptionalAction if f.default else "store_true"
+                parser.add_argument(*flags, dest=f.name, action=action, default=f.default, help=f.metadata["help"])
                 continue
             parser.add_argument(
                 *flags,

@@ -5,7 +5,10 @@ Routes: POST /generate (SGLang's native API), POST /v1/completions, POST /v1/cha
 GET /tokenizer_info. Every bad request gets HTTP 400 (413 for a body over --max-request-body-mb) with an
 OpenAI-style error body and the server carries on; a client that disconnects has its requests aborted.
 Bodies are read and parsed by `request_body` and tokenized on one worker thread, so a large request never
-holds up the event loop that serves everyone else.
+holds up the event loop that serves everyone else. Generation requests beyond --max-running-requests +
+--max-queued-requests get 429 with Retry-After (`managers/admission.py`). When the scheduler or detokenizer
+dies, every open request gets an error at once, /health answers 503, and with --exit-on-child-death (the
+default) the server stops and exits with status 1.
 """
 
 from __future__ import annotations
@@ -21,17 +24,19 @@ from typing import Any, TypeVar
 import pydantic
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from srt.entrypoints.openai.response_parts import SSE_DONE, RequestError, now, param_of, sse
+from srt.entrypoints.openai.response_parts import SSE_DONE, RequestError, now, sse
 from srt.entrypoints.openai.serving_chat import ChatRun
 from srt.entrypoints.openai.serving_completions import CompletionRun
 from srt.entrypoints.openapi_schema import document_routes
 from srt.entrypoints.processes import ServingProcesses, launch_processes
 from srt.entrypoints.request_body import read_json_object
+from srt.entrypoints.sse_response import error_response, sse_response
 from srt.entrypoints.tokenizer_routes import add_tokenizer_routes
+from srt.managers.admission import Admission, Overloaded, Ticket
 from srt.managers.generate_input import GenerateReqInput
 from srt.managers.tokenizer_loader import load_tokenizer
 from srt.managers.tokenizer_manager import TokenizerManager
@@ -44,13 +49,15 @@ SHUTDOWN_GRACE_S = 5  # open streams get this long to finish once SIGTERM arrive
 T = TypeVar("T")
 
 
-def create_app(tm: TokenizerManager) -> FastAPI:
-    """The FastAPI app; the manager is started and closed with the app's lifespan."""
+def create_app(tm: TokenizerManager, watch_children: Callable[[], Callable[[], None]] | None = None) -> FastAPI:
+    """The FastAPI app; the manager is started and closed with the app's lifespan. `watch_children`, called
+    on the running loop, starts watching the serving processes and returns what stops it."""
 
     # One thread tokenizes (and builds) every request: the event loop stays free, and the tokenizer, which
     # is not safe to share between threads, is only ever used by one of them for encoding.
     tokenize_thread = ThreadPoolExecutor(1, thread_name_prefix="srt-tokenize")
     max_body_bytes = int(tm.server_args.max_request_body_mb * 1024 * 1024)
+    admission = Admission(tm.server_args)
 
     async def off_loop(build: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(tokenize_thread, build, *args)
@@ -61,7 +68,10 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await tm.start()
+        stop_watching = watch_children() if watch_children is not None else None
         yield
+        if stop_watching is not None:
+            stop_watching()
         await tm.close()
         tokenize_thread.shutdown(wait=False, cancel_futures=True)
 
@@ -69,10 +79,13 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
     @app.exception_handler(ValueError)
     async def bad_request(request: Request, error: ValueError) -> JSONResponse:
-        param = error.param if isinstance(error, RequestError) else param_of(str(error))
-        code = error.code if isinstance(error, RequestError) else None
-        status = getattr(error, "status_code", 400)
-        return JSONResponse(error_body(str(error), param, code), status_code=status)
+        return error_response(error)
+
+    @app.exception_handler(Overloaded)
+    async def overloaded(request: Request, error: Overloaded) -> JSONResponse:
+        if error.code == "queue_full":
+            tm.metrics.refused()
+        return error_response(error)
 
     @app.exception_handler(pydantic.ValidationError)
     async def invalid_body(request: Request, error: pydantic.ValidationError) -> JSONResponse:
@@ -80,17 +93,20 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
     @app.exception_handler(RuntimeError)
     async def unavailable(request: Request, error: RuntimeError) -> JSONResponse:
-        body = error_body(str(error))
-        body["error"]["type"] = "server_error"
-        return JSONResponse(body, status_code=503)
+        return error_response(error)
 
     @app.exception_handler(ConnectionAbortedError)
     async def client_gone(request: Request, error: ConnectionAbortedError) -> Response:
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
 
     @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=503 if tm.dead else 200)
+    async def health() -> JSONResponse:
+        """200 while serving, its body saying whether new requests are being refused ("overloaded"); 503
+        only when the server cannot serve at all (a serving process died)."""
+        if tm.dead:
+            return JSONResponse({"status": "failed", "message": tm.dead}, status_code=503)
+        load = {"in_flight": admission.in_flight, "queued": admission.queued, "max_in_flight": admission.limit}
+        return JSONResponse({"status": "overloaded" if admission.full else "ok", **load})
 
     @app.get("/health_generate")
     async def health_generate() -> Response:
@@ -106,8 +122,8 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     async def metrics() -> Response:
         try:
             stats = await tm.scheduler_stats(timeout=5.0)
-        except asyncio.TimeoutError:
-            stats = None  # the scheduler is busy with a long step: report what this process knows
+        except (asyncio.TimeoutError, RuntimeError):
+            stats = None  # the scheduler is busy with a long step, or gone: report what this process knows
         return Response(tm.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/server_info")
@@ -123,6 +139,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
+        admission.check()  # a full server refuses before reading the body
         body = await json_body(request)
         known = GenerateReqInput.__dataclass_fields__
         unknown = sorted(set(body) - set(known))
@@ -130,19 +147,27 @@ def create_app(tm: TokenizerManager) -> FastAPI:
             raise RequestError(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
         obj = GenerateReqInput(**body)
         prepared = await off_loop(tm.prepare, obj)
+        ticket = admission.admit(len(prepared))
         if obj.stream:
-            return _sse(_generate_stream(tm, obj, prepared))
-        return JSONResponse(obj.answer(await tm.generate_all(obj, request.is_disconnected, prepared)))
+            return sse_response(_generate_stream(tm, obj, prepared), ticket)
+        try:
+            return JSONResponse(obj.answer(await tm.generate_all(obj, request.is_disconnected, prepared)))
+        finally:
+            ticket.release()
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
+        admission.check()
         body = CompletionRequest.model_validate(await json_body(request))
-        return await _respond(await off_loop(CompletionRun, tm, body), request)
+        run = await off_loop(CompletionRun, tm, body)
+        return await _respond(run, request, admission.admit(len(run.prepared)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
+        admission.check()
         body = ChatCompletionRequest.model_validate(await json_body(request))
-        return await _respond(await off_loop(ChatRun, tm, body), request)
+        run = await off_loop(ChatRun, tm, body)
+        return await _respond(run, request, admission.admit(len(run.prepared)))
 
     add_tokenizer_routes(app, tm, json_body, off_loop)
     document_routes(app)
@@ -156,11 +181,14 @@ def _describe(error: pydantic.ValidationError) -> tuple[str, str | None]:
     return (f"{where}: {first['msg']}" if where else first["msg"]), (loc[0] if loc else None)
 
 
-async def _respond(run: CompletionRun | ChatRun, request: Request) -> Response:
+async def _respond(run: CompletionRun | ChatRun, request: Request, ticket: Ticket) -> Response:
     """A checked OpenAI request's reply: an SSE stream, or one JSON body (aborted if the client leaves)."""
     if run.request.stream:
-        return _sse(run.stream())
-    return JSONResponse(await run.response(request.is_disconnected))
+        return sse_response(run.stream(), ticket)
+    try:
+        return JSONResponse(await run.response(request.is_disconnected))
+    finally:
+        ticket.release()
 
 
 async def _generate_stream(tm: TokenizerManager, obj: GenerateReqInput, prepared: list) -> AsyncIterator[str]:
@@ -171,10 +199,6 @@ async def _generate_stream(tm: TokenizerManager, obj: GenerateReqInput, prepared
         yield SSE_DONE
     finally:
         await chunks.aclose()  # a client that went away aborts what is still running
-
-
-def _sse(stream: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -190,20 +214,32 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def launch_server(server_args: ServerArgs) -> None:
-    """Start the processes, serve HTTP until SIGTERM / SIGINT, then stop every child."""
+    """Start the processes, serve HTTP until SIGTERM / SIGINT, then stop every child. RuntimeError after the
+    server stopped because a child died (--exit-on-child-death)."""
     check_port_free(server_args.host, server_args.port)
     processes: ServingProcesses = launch_processes(server_args)
+    deaths: list[str] = []
     try:
         tokenizer = load_tokenizer(server_args)
         tm = TokenizerManager(server_args, processes.port_args, processes.info, tokenizer, processes.problem)
+
+        def on_child_death(problem: str) -> None:
+            tm.fail_all(problem)
+            if server_args.exit_on_child_death:
+                deaths.append(problem)
+                server.should_exit = True  # uvicorn stops listening and lets the errored responses finish
+
         config = uvicorn.Config(
-            create_app(tm),
+            create_app(tm, lambda: processes.watch(asyncio.get_running_loop(), on_child_death)),
             host=server_args.host,
             port=server_args.port,
             log_level=server_args.log_level,
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
         )
         logger.info("serving %s on http://%s:%d", tm.model_name, server_args.host, server_args.port)
-        uvicorn.Server(config).run()
+        server = uvicorn.Server(config)
+        server.run()
     finally:
         processes.shutdown()
+    if deaths:
+        raise RuntimeError(f"{deaths[0]}; the server stopped (--exit-on-child-death)")

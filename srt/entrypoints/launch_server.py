@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -45,9 +46,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         launch_server(server_args)
     except KeyboardInterrupt:
         pass
-    except RuntimeError as error:  # a child failed to start: its traceback is the message
+    except RuntimeError as error:  # a child failed to start (its traceback is the message) or died
         logging.getLogger("srt").error("%s", error)
-        sys.exit(1)
+        # Every child is stopped and the socket files are gone by now. Skip the interpreter's teardown: its
+        # last garbage collection over the tokenizer's and FastAPI's objects took 1-5 s on the CI machine,
+        # and a supervisor waiting to restart the server should not wait for it.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":

@@ -49,10 +49,16 @@ ERRORS = {
     "413": "The body is larger than --max-request-body-mb.",
     "503": "The server cannot serve: a process it runs died.",
 }
+# generation routes only: admission control (srt/managers/admission.py)
+OVERLOADED = (
+    "Overloaded, with a Retry-After header: the queue is full (code `queue_full`), or the request waited past "
+    "--request-timeout (code `queue_timeout`)."
+)
+GENERATION_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 
 
 def document_routes(app: FastAPI) -> None:
-    """Make `app.openapi()` describe each POST route's body and its 400 / 413 / 503 answers."""
+    """Make `app.openapi()` describe each POST route's body and its 400 / 413 / 429 / 503 answers."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -73,7 +79,8 @@ def build_document(app: FastAPI) -> dict[str, Any]:
             "required": True,
             "content": {"application/json": {"schema": _register(model, components)}},
         }
-        for status, description in ERRORS.items():
+        errors = {**ERRORS, "429": OVERLOADED} if path in GENERATION_PATHS else ERRORS
+        for status, description in sorted(errors.items()):
             content = {"application/json": {"schema": error_ref}}
             operation["responses"][status] = {"description": description, "content": content}
     return document

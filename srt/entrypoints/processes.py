@@ -8,11 +8,13 @@ do so under `if __name__ == "__main__":`.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
@@ -46,6 +48,26 @@ class ServingProcesses:
             if not proc.is_alive():
                 return f"the {name} process exited unexpectedly (exit code {proc.exitcode})"
         return None
+
+    def watch(self, loop: asyncio.AbstractEventLoop, on_death: Callable[[str], None]) -> Callable[[], None]:
+        """Call `on_death(problem)` on `loop` the moment a child exits (its sentinel becomes readable: no
+        polling), once; returns what stops watching (call it before `shutdown`, which ends the children)."""
+        sentinels = {name: proc.sentinel for name, proc in self.children.items()}
+
+        def stop() -> None:
+            for fd in sentinels.values():
+                loop.remove_reader(fd)
+
+        def died(name: str) -> None:
+            stop()
+            proc = self.children[name]
+            proc.join(1.0)  # the sentinel closes a moment before the exit status can be read
+            if not self.stopped:
+                on_death(f"the {name} process exited unexpectedly (exit code {proc.exitcode})")
+
+        for name, fd in sentinels.items():
+            loop.add_reader(fd, died, name)
+        return stop
 
     def shutdown(self) -> None:
         """Stop every child (SIGTERM, then SIGKILL after a grace period) and remove the socket files."""

@@ -56,6 +56,7 @@ class DetokenizerManager:
         self.send_socket = socket(self.context, zmq.PUSH, port_args.tokenizer_input, bind=False)
         self.abort_socket = socket(self.context, zmq.PUSH, port_args.scheduler_input, bind=False)
         self.states: dict[str, IncrementalDetokenizer] = {}
+        self.port_args = port_args
 
     def run(self, parent_pid: int) -> None:
         while parent_alive(parent_pid):
@@ -63,6 +64,7 @@ class DetokenizerManager:
                 continue
             self.handle(self.recv_socket.recv_pyobj())
         logger.info("parent process is gone; exiting")
+        self.port_args.cleanup()  # a parent killed by SIGKILL could not remove the socket files
 
     def handle(self, message: object) -> None:
         if isinstance(message, DetokenizeInit):

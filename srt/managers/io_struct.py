@@ -153,10 +153,11 @@ class BatchStrOut:
 
 @dataclass
 class GenerateError:
-    """Scheduler -> tokenizer manager (through the detokenizer): the request was refused."""
+    """Scheduler -> tokenizer manager (through the detokenizer): the request was refused or dropped."""
 
     rid: str
     message: str
+    kind: str = "invalid"  # "invalid": a bad request (400); "queue_timeout": waited past --request-timeout (429)
 
 
 @dataclass

@@ -10,6 +10,7 @@ Each address is an `ipc://` socket file in a private temporary directory; messag
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -18,6 +19,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -79,6 +81,9 @@ def setup_child(name: str, log_level: str) -> None:
     so a child that also reacted would only print a second traceback.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # `ps`, `top` and `pgrep srt-scheduler` tell the children apart (every one's command line is spawn_main)
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_text(f"srt-{name}"[:15])  # the kernel keeps 15 characters
     # SIGTERM (the parent's shutdown) unwinds normally, so that multiprocessing's finalizers release what
     # they registered instead of leaving the resource tracker to warn about it.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))

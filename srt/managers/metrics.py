@@ -59,7 +59,16 @@ class ServerMetrics:
         self.cached_tokens = Counter(
             "srt_cached_tokens", "Prompt tokens served from the prefix cache.", labels, registry=r
         )
-        self.requests = Counter("srt_requests", "Finished requests by finish reason.", [*labels, "reason"], registry=r)
+        self.requests = Counter(
+            "srt_requests",
+            "Requests that ended, by reason: stop, length, abort (the client left or a serving process died), "
+            "queue_timeout (waited past --request-timeout).",
+            [*labels, "reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "srt_requests_rejected", "Requests refused on arrival with HTTP 429 (queue full).", labels, registry=r
+        )
         self.ttft = Histogram(
             "srt_time_to_first_token_seconds", "Arrival to first output token.", labels, buckets=_LATENCY_BUCKETS,
             registry=r,
@@ -105,6 +114,13 @@ class ServerMetrics:
         self._prompt_total += prompt
         self._cached_total += cached
         self.hit_rate.labels(name).set(self._cached_total / self._prompt_total if self._prompt_total else 0.0)
+
+    def ended(self, reason: str, count: int = 1) -> None:
+        """`count` requests ended without finishing: "abort" or "queue_timeout"."""
+        self.requests.labels(self.model_name, reason).inc(count)
+
+    def refused(self, count: int = 1) -> None:
+        self.rejected.labels(self.model_name).inc(count)
 
     def render(self, stats: SchedulerStats | None) -> bytes:
         """The Prometheus text exposition, with the scheduler's state as of `stats`."""

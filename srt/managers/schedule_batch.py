@@ -36,6 +36,7 @@ class Req:
     swa_freed_upto: int = 0  # SWA slots of tokens before this position are freed
     cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     admitted_once: bool = False
+    arrived: float = 0.0  # time.monotonic() when the scheduler queued it (--request-timeout counts from here)
     prompt_logprobs_done: bool = False
     finished_reason: FinishReason | None = None
     generator: torch.Generator | None = None

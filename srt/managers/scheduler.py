@@ -28,6 +28,7 @@ KV of the rejected rows (`verify_round.py`). Verify steps are not overlapped: th
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -111,9 +112,18 @@ class Scheduler:
         if any(req.rid == request.rid for req in self.waiting + self.running):
             raise ValueError(f"a request with rid {request.rid!r} is already running")
         req = Req.from_request(request, self.runner.device)
+        req.arrived = time.monotonic()
         if request.grammar is not None:
             req.grammar = self.grammars.matcher(request.grammar)
         self.waiting.append(req)
+
+    def expire_waiting(self, now: float, timeout: float) -> list[str]:
+        """Drop the requests that have waited more than `timeout` seconds and were never admitted (they hold
+        no KV; retracted ones, which have produced tokens, stay); their rids."""
+        expired = [req for req in self.waiting if not req.admitted_once and now - req.arrived > timeout]
+        for req in expired:
+            self.waiting.remove(req)
+        return [req.rid for req in expired]
 
     def abort(self, rid: str) -> ReqOutput | None:
         """Stop a waiting or running request and free everything it holds; None if it is unknown."""

@@ -82,6 +82,8 @@ class SchedulerLoop:
         self.send_socket = socket(self.context, zmq.PUSH, port_args.detokenizer_input, bind=False)
         self.generated_tokens_total = 0
         self.status_log = StatusLog(server_args.log_interval)
+        self.request_timeout = server_args.request_timeout
+        self.port_args = port_args
 
     def info(self) -> SchedulerInfo:
         runner = self.scheduler.runner
@@ -101,6 +103,7 @@ class SchedulerLoop:
         while True:
             for message in self._recv_all(block=not self.scheduler.has_work()):
                 self._handle(message)
+            self._expire_waiting()
             if self.scheduler.has_work():
                 busy = True
                 outputs = self.scheduler.step()
@@ -116,7 +119,17 @@ class SchedulerLoop:
                 last_parent_check = now
                 if not parent_alive(parent_pid):
                     logger.info("parent process is gone; exiting")
+                    self.port_args.cleanup()  # a parent killed by SIGKILL could not remove the socket files
                     return
+
+    def _expire_waiting(self) -> None:
+        """Answer the requests that waited in the queue past --request-timeout with an error."""
+        timeout = self.request_timeout
+        if timeout is None or not self.scheduler.waiting:
+            return
+        for rid in self.scheduler.expire_waiting(time.monotonic(), timeout):
+            message = f"the request waited {timeout:g} s in the queue without being started (--request-timeout)"
+            self.send_socket.send_pyobj(GenerateError(rid, message, kind="queue_timeout"))
 
     def _recv_all(self, block: bool) -> list[object]:
         if block and not self.recv_socket.poll(int(PARENT_CHECK_INTERVAL_S * 1000)):

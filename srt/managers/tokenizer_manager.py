@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from srt import __version__
+from srt.managers.admission import Overloaded
 from srt.managers.generate_input import GenerateReqInput, SingleReq
 from srt.managers.generate_output import ResultBuilder, TokenTexts
 from srt.managers.io_struct import (
@@ -303,9 +304,12 @@ class TokenizerManager:
         """Stop a request and forget it; its later outputs are dropped."""
         if self.states.pop(rid, None) is not None:
             self._send.send_pyobj(AbortReq(rid))
+            self.metrics.ended("abort")
 
     async def scheduler_stats(self, timeout: float = 10.0) -> SchedulerStats:
-        """A fresh snapshot of the scheduler's queues and pools."""
+        """A fresh snapshot of the scheduler's queues and pools; RuntimeError once a serving process died."""
+        if self.dead:
+            raise RuntimeError(self.dead)
         req_id = next(self._stats_ids)
         future = asyncio.get_running_loop().create_future()
         self._stats_waiters[req_id] = future
@@ -347,7 +351,7 @@ class TokenizerManager:
             elif isinstance(message, GenerateError):
                 state = self.states.pop(message.rid, None)
                 if state is not None:
-                    state.queue.put_nowait(ValueError(message.message))
+                    state.queue.put_nowait(self._error_of(message))
             elif isinstance(message, SchedulerStats):
                 future = self._stats_waiters.get(message.req_id)
                 if future is not None and not future.done():
@@ -355,12 +359,27 @@ class TokenizerManager:
             else:
                 logger.error("tokenizer manager got an unknown message %r", type(message).__name__)
 
+    def _error_of(self, message: GenerateError) -> Exception:
+        if message.kind == "queue_timeout":
+            self.metrics.ended("queue_timeout")
+            return Overloaded(message.message, code="queue_timeout")
+        return ValueError(message.message)
+
     def _check_children(self) -> None:
         problem = self.check_children()
-        if problem is None or self.dead:
+        if problem is not None:
+            self.fail_all(problem)
+
+    def fail_all(self, problem: str) -> None:
+        """A serving process died: every open request ends with RuntimeError(problem), every later one too."""
+        if self.dead:
             return
         self.dead = problem
         logger.error("%s; failing every request", problem)
         for state in self.states.values():
             state.queue.put_nowait(RuntimeError(problem))
+        self.metrics.ended("abort", len(self.states))
         self.states.clear()
+        for waiter in self._stats_waiters.values():
+            if not waiter.done():
+                waiter.set_exception(RuntimeError(problem))
