@@ -163,7 +163,7 @@ class ModelRunner:
         self, newest: torch.Tensor, hidden: torch.Tensor, kv_lens: torch.Tensor, rows: list[int]
     ) -> torch.Tensor | None:
         """Drafts of the next round from device state (the overlap of a draft round with the host's bookkeeping
-        of the verify step before it); None where only an eager round could run (it needs host lengths)."""
+        of the verify step before it); None without draft graphs (not captured) or past their largest batch."""
         graphs = self.draft_graphs
         if graphs is None or not graphs.can_run(len(rows)):
             return None
@@ -178,7 +178,9 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self.decode_graphs(batch)
         # a batch with image rows runs eagerly: its embeddings come from the vision tower, outside any graph
-        if batch.mm is None and self.verify_graphs is not None and self.verify_graphs.can_run(batch):
+        # verify steps (rows attending one by one) replay their own graphs; prompts keep the token-count ones
+        verify = batch.attend_row_by_row and self.verify_graphs is not None
+        if batch.mm is None and verify and self.verify_graphs.can_run(batch):
             output = self.verify_graphs(batch)
         elif batch.mm is None and self.extend_graphs is not None and self.extend_graphs.can_run(batch):
             output = self.extend_graphs(batch)
