@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import openai
 
 from srt.managers.inprocess import run_to_completion
 from srt.managers.io_struct import TokenizedGenerateReq
@@ -73,6 +74,11 @@ def start_server(model: Path, log: Path, *extra: str) -> Server:
         time.sleep(0.25)
     server.stop()
     raise RuntimeError(f"server not ready in {STARTUP_TIMEOUT_S} s:\n{log.read_text()}")
+
+
+def openai_client(server: Server) -> openai.OpenAI:
+    """The real openai client against `server`: no retries, so a failure shows as it happened."""
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
 
 
 def child_pids(pid: int) -> set[int]:

@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
-from serving_fixtures import PRESET, greedy_reference, reference_scheduler, start_server
+from serving_fixtures import PRESET, greedy_reference, openai_client, reference_scheduler, start_server
 from torch_threads import one_torch_thread
 from transformers import AutoTokenizer
 
@@ -36,7 +35,7 @@ def server(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from serving_fixtures import PRESET, start_server
+from serving_fixtures import PRESET, openai_client, start_server
 from transformers import AutoTokenizer
 
 SCHEMA = {
@@ -56,7 +56,7 @@ def server(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from serving_fixtures import (
     alive,
     child_pids,
     greedy_reference,
+    openai_client,
     prompt_logprobs_reference,
     reference_scheduler,
     start_server,
@@ -58,7 +59,7 @@ def reference(model):
 
 @pytest.fixture(scope="module")
 def client(server, model):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")
