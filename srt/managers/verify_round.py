@@ -29,7 +29,7 @@ from srt.managers.request_output import finish_check
 from srt.managers.schedule_batch import Req
 from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
-from srt.sampling.sampler import SamplingBatch, filtered_probs, top_logprobs
+from srt.sampling.sampler import SamplingBatch, filtered_probs, logprobs_of, top_logprobs
 from srt.speculative.accept import Accepted, accept_greedy, accept_sampled
 
 
@@ -98,23 +98,24 @@ class VerifyRound:
         rows = first[:, None] + torch.minimum(steps[None, :], counts[:, None])
         target_ids = (greedy_ids if greedy_ids is not None else logits.argmax(dim=-1))[rows]
         accepted = accept_greedy(drafts, target_ids, counts)
-        if sampling is not None and not sampling.all_greedy:
-            accepted = _accept_sampled_rows(reqs, drafts, logits[rows], sampling, counts, accepted)
+        has_logprobs = any(req.params.return_logprob for req in reqs)
+        sampled = sampling is not None and not sampling.all_greedy
+        # [batch, K + 1, vocab] raw logits of the verify rows, gathered once for whoever reads them
+        row_logits = logits[rows] if sampled or has_logprobs else None
+        if sampled:
+            accepted = _accept_sampled_rows(reqs, drafts, row_logits, sampling, counts, accepted)
         if accept_len is not None:
             accepted = _simulated(drafts, accepted.tokens, counts, accept_len)
         hidden = hidden_states[first + accepted.num_accepted]  # the row that chose each round's last token
         for i, req in enumerate(reqs):
             req.draft_hidden = hidden[i]
         tensors = [accepted.num_accepted, accepted.tokens]
-        has_logprobs = any(req.params.return_logprob for req in reqs)
         top_num = max((req.params.top_logprobs_num for req in reqs), default=0) if has_logprobs else 0
         if has_logprobs:
-            row_logits = logits[rows].flatten(0, 1)  # raw logits, as the sampler reports them
-            log_norm = row_logits.logsumexp(dim=-1)
-            chosen = row_logits.gather(1, accepted.tokens.reshape(-1, 1))[:, 0] - log_norm
-            tensors.append(chosen.view(len(reqs), k + 1))
+            flat = row_logits.flatten(0, 1)  # raw logits, as the sampler reports them
+            tensors.append(logprobs_of(flat, accepted.tokens.reshape(-1)).view(len(reqs), k + 1))
             if top_num:
-                top = top_logprobs(row_logits, top_num)
+                top = top_logprobs(flat, top_num)
                 tensors += [top.ids.view(len(reqs), k + 1, -1), top.values.view(len(reqs), k + 1, -1)]
         next_newest = accepted.tokens.gather(1, accepted.num_accepted[:, None])[:, 0]
         next_kv_lens = kv_lens + accepted.num_accepted
