@@ -125,6 +125,27 @@ class ServerArgs:
         None, "Draft model: an assistant checkpoint directory or preset (e.g. gemma-4-E4B-it-assistant)."
     )
     speculative_num_steps: int = _arg(3, f"Draft tokens per round (1 to {MAX_SPECULATIVE_NUM_STEPS}).")
+    # ---- parallelism ----
+    tp_size: int = _arg(
+        1,
+        "Tensor-parallel ranks: one scheduler process per rank, each on its own GPU (--base-gpu-id onwards), "
+        "every layer's heads and MLP width split over them (NCCL on GPUs, gloo on CPUs).",
+        aliases=("--tensor-parallel-size",),
+    )
+    base_gpu_id: int = _arg(0, "The GPU of the first rank on this node; rank r uses GPU base + r.")
+    nnodes: int = _arg(
+        1, "Machines the --tp-size ranks are spread over (--tp-size / --nnodes ranks each); start every node."
+    )
+    node_rank: int = _arg(
+        0,
+        "This machine's place among --nnodes (0 serves HTTP and runs the first ranks; others run only their "
+        "ranks and wait).",
+    )
+    dist_init_addr: str | None = _arg(
+        None,
+        "HOST:PORT of node 0's torch.distributed TCP store, the same on every node (default: a free loopback "
+        "port, one node only).",
+    )
     # ---- serving ----
     host: str = _arg("127.0.0.1", "Address the HTTP server listens on (0.0.0.0: every interface).")
     port: int = _arg(30000, "Port of the HTTP server.")
@@ -207,6 +228,18 @@ class ServerArgs:
             raise ValueError(f"request_timeout must be > 0; got {self.request_timeout}")
         if self.log_interval < 0:
             raise ValueError(f"log_interval must be >= 0; got {self.log_interval}")
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1; got {self.tp_size}")
+        if self.base_gpu_id < 0:
+            raise ValueError(f"base_gpu_id must be >= 0; got {self.base_gpu_id}")
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(f"nnodes must be >= 1 and divide tp_size {self.tp_size}; got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, {self.nnodes - 1}]; got {self.node_rank}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("dist_init_addr (HOST:PORT of node 0) is needed when nnodes > 1")
+        if self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr):
+            raise ValueError(f"dist_init_addr must be HOST:PORT; got {self.dist_init_addr!r}")
         if self.speculative_algorithm and not self.speculative_draft_model_path:
             raise ValueError(f"speculative_algorithm {self.speculative_algorithm} needs speculative_draft_model_path")
         if not 1 <= self.speculative_num_steps <= MAX_SPECULATIVE_NUM_STEPS:
@@ -250,6 +283,11 @@ def _speculative_algorithm_of(draft_model_path: str) -> str:
             f"srt drafts with Gemma 4 assistants ({ASSISTANT_MODEL_TYPE}, FROZEN_KV_MTP)"
         )
     return "FROZEN_KV_MTP"
+
+
+def _is_host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
 def _help_with_default(f: dataclasses.Field) -> str:

@@ -6,6 +6,7 @@ the checkpoint's config as transformers resolves it; nothing is derived by guess
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,9 @@ class ModelConfig:
     layers: tuple[AttentionLayerSpec, ...]
     # the whole `Gemma4Config` of a multimodal checkpoint (token ids of the image markers); None for text-only
     hf_config: PretrainedConfig | None = None
+    # tensor parallelism (`for_tensor_parallel`): this rank's share; `layers` then hold its heads only
+    tp_rank: int = 0
+    tp_size: int = 1
 
     @property
     def vision_config(self) -> Gemma4VisionConfig | None:
@@ -94,6 +98,25 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return bool(self.hf_text_config.enable_moe_block and self.hf_text_config.num_experts)
+
+    def tp_part(self, size: int) -> int:
+        """This rank's share of a dimension split evenly over the ranks (intermediate sizes, expert widths)."""
+        if size % self.tp_size:
+            raise ValueError(f"--tp-size {self.tp_size} does not divide a dimension of {size}")
+        return size // self.tp_size
+
+    def vocab_part(self, vocab: int) -> int:
+        """Rows of a vocab-parallel table per rank: the last rank's share is padded with rows no id selects."""
+        return -(-vocab // self.tp_size)
+
+    def for_tensor_parallel(self, rank: int, size: int) -> ModelConfig:
+        """This config as rank `rank` of `size` sees it: each layer's query heads split evenly, KV heads split
+        where there are at least `size` of them and otherwise one per rank (the head its query heads read,
+        held by several ranks). ValueError where the heads do not split."""
+        if not 0 <= rank < size:
+            raise ValueError(f"tensor-parallel rank {rank} is not in 0..{size - 1}")
+        layers = tuple(_rank_spec(spec, rank, size) for spec in self.layers)
+        return dataclasses.replace(self, layers=layers, tp_rank=rank, tp_size=size)
 
     @property
     def first_kv_shared_layer(self) -> int | None:
@@ -182,6 +205,27 @@ def _layer_specs(config: Gemma4TextConfig) -> tuple[AttentionLayerSpec, ...]:
             )
         )
     return tuple(specs)
+
+
+def _rank_spec(spec: AttentionLayerSpec, rank: int, size: int) -> AttentionLayerSpec:
+    heads, kv_heads = spec.num_heads, spec.num_kv_heads
+    if heads % size:
+        raise ValueError(f"--tp-size {size} does not divide the {heads} attention heads of layer {spec.layer_id}")
+    if kv_heads % size and size % kv_heads:
+        raise ValueError(
+            f"--tp-size {size} and the {kv_heads} KV heads of layer {spec.layer_id}: one must divide the other"
+        )
+    return dataclasses.replace(spec, num_heads=heads // size, num_kv_heads=max(1, kv_heads // size))
+
+
+def kv_heads_of_rank(full_kv_heads: int, rank: int, size: int) -> range:
+    """The checkpoint's KV heads that rank `rank` holds: its even share, or with fewer heads than ranks the one
+    head its query heads read (query head h reads KV head h // (heads / kv_heads))."""
+    if full_kv_heads >= size:
+        per_rank = full_kv_heads // size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+    head = rank * full_kv_heads // size
+    return range(head, head + 1)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -9,6 +9,7 @@ do so under `if __name__ == "__main__":`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import logging
 import multiprocessing as mp
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 
+from srt.distributed.placement import free_loopback_address, ranks_of_node
 from srt.managers.io_struct import SchedulerInfo
 from srt.managers.ipc import PortArgs, ReadyReport
 from srt.server_args import ServerArgs
@@ -87,16 +89,21 @@ class ServingProcesses:
 
 
 def launch_processes(server_args: ServerArgs, timeout: float = STARTUP_TIMEOUT_S) -> ServingProcesses:
-    """Start both children and return once they are ready; RuntimeError with the child's error if one fails."""
+    """Start the children and return once they are ready; RuntimeError with the child's error if one fails.
+
+    The scheduler is one process per tensor-parallel rank of this node ("scheduler" is rank 0); a node other
+    than the first (--node-rank) starts only its ranks."""
     ctx = mp.get_context("spawn")
     port_args = PortArgs.create()
     group = ServingProcesses(port_args, {})
     readers: dict[str, Connection] = {}
-    for name, entry in CHILDREN.items():
+    if server_args.tp_size > 1 and server_args.dist_init_addr is None:
+        server_args = dataclasses.replace(server_args, dist_init_addr=free_loopback_address())
+    for name, entry, extra in _children(server_args):
         reader, writer = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_run_child,
-            args=(entry, server_args, port_args, writer, os.getpid()),
+            args=(entry, server_args, port_args, writer, os.getpid(), *extra),
             name=f"srt-{name}",
             daemon=True,
         )
@@ -109,8 +116,21 @@ def launch_processes(server_args: ServerArgs, timeout: float = STARTUP_TIMEOUT_S
     except BaseException:
         group.shutdown()
         raise
-    group.info = reports["scheduler"].info
+    group.info = reports["scheduler"].info if "scheduler" in reports else None
     return group
+
+
+def _children(server_args: ServerArgs) -> list[tuple[str, str, tuple]]:
+    """(name, entry point, extra arguments) of every child this node starts."""
+    if server_args.tp_size == 1:
+        return [(name, entry, ()) for name, entry in CHILDREN.items()]
+    ranks = [
+        ("scheduler" if place.is_first else f"scheduler-{place.rank}", CHILDREN["scheduler"], (place,))
+        for place in ranks_of_node(server_args)
+    ]
+    if server_args.node_rank > 0:
+        return ranks
+    return [*ranks, ("detokenizer", CHILDREN["detokenizer"], ())]
 
 
 def _run_child(entry: str, *args: object) -> None:

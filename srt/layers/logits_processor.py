@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from srt.distributed.collectives import gather_vocab
 from srt.kernels.logits import Logits, softcap_logits
 
 
@@ -16,10 +17,14 @@ class LogitsOutput(NamedTuple):
     greedy_ids: torch.Tensor | None = None  # [rows] int64 argmax of each row of `logits`, where the GPU found it
 
 
-def compute_logits(hidden: torch.Tensor, lm_head_weight: torch.Tensor, softcap: float | None) -> Logits:
+def compute_logits(
+    hidden: torch.Tensor, lm_head_weight: torch.Tensor, softcap: float | None, tp_size: int = 1, vocab: int = 0
+) -> Logits:
     """softcap * tanh(hidden @ W^T / softcap), in float32; on GPU with each row's argmax, found by the softcap
-    kernel as it writes the logits (greedy sampling then reads no [rows, vocab] tensor again)."""
-    logits = hidden @ lm_head_weight.T
+    kernel as it writes the logits (greedy sampling then reads no [rows, vocab] tensor again). Under tensor
+    parallelism W is this rank's vocabulary slice: the products of every rank are gathered (the first
+    `vocab` columns) before the softcap."""
+    logits = gather_vocab(hidden @ lm_head_weight.T, tp_size, vocab)
     if softcap is None:
         return Logits(logits.float(), None)
     return softcap_logits(logits, softcap, with_argmax=True)

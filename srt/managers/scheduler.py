@@ -125,6 +125,11 @@ class Scheduler:
             self.waiting.remove(req)
         return [req.rid for req in expired]
 
+    def drop_waiting(self, rids: list[str]) -> None:
+        """Drop these waiting requests (another rank's `expire_waiting` chose them)."""
+        if rids:
+            self.waiting = [req for req in self.waiting if req.rid not in set(rids)]
+
     def abort(self, rid: str) -> ReqOutput | None:
         """Stop a waiting or running request and free everything it holds; None if it is unknown."""
         for queue in (self.waiting, self.running):

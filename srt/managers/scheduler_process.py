@@ -3,10 +3,15 @@
 Each iteration: take every waiting message without blocking (requests, aborts, stats requests), run one
 step if there is work, send its outputs to the detokenizer. When there is no work it blocks on its socket
 (waking every second to check that its parent is alive), and checks every pool's integrity once.
+
+Under tensor parallelism (--tp-size N) there is one such process per rank: rank 0 runs this loop and hands
+each iteration's inputs to the others, which run `FollowerLoop` (`distributed/ranks.py` says why that keeps
+every rank on the same step).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import traceback
@@ -14,6 +19,8 @@ from multiprocessing.connection import Connection
 
 import zmq
 
+from srt.distributed.placement import RankPlace
+from srt.distributed.ranks import StepInputs, TensorParallelGroup
 from srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -27,6 +34,7 @@ from srt.managers.io_struct import (
 )
 from srt.managers.ipc import PARENT_CHECK_INTERVAL_S, PortArgs, ReadyReport, parent_alive, report, setup_child, socket
 from srt.managers.scheduler import Scheduler
+from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
@@ -34,20 +42,35 @@ logger = logging.getLogger(__name__)
 
 
 def run_scheduler_process(
-    server_args: ServerArgs, port_args: PortArgs, ready_pipe: Connection, parent_pid: int
+    server_args: ServerArgs,
+    port_args: PortArgs,
+    ready_pipe: Connection,
+    parent_pid: int,
+    place: RankPlace | None = None,
 ) -> None:
-    """Process entry point: load the model, report readiness (or the error), then serve until orphaned."""
-    setup_child("scheduler", server_args.log_level)
+    """Process entry point: load the model, report readiness (or the error), then serve until orphaned.
+    `place`: this process's tensor-parallel rank (None: the only one)."""
+    setup_child("scheduler" if place is None or place.is_first else f"scheduler-{place.rank}", server_args.log_level)
+    group = None
     try:
-        scheduler = Scheduler(server_args)
+        if place is not None:
+            group = TensorParallelGroup(server_args, place)
+        scheduler = Scheduler(server_args, ModelRunner(server_args, tp=group))
         if scheduler.runner.device.type == "cuda" and not server_args.skip_server_warmup:
-            warm_up(scheduler)
-        loop = SchedulerLoop(scheduler, server_args, port_args)
+            warm_up(scheduler)  # every rank: the same requests, the same steps
+        if place is None or place.is_first:
+            loop = SchedulerLoop(scheduler, server_args, port_args, group)
+        else:
+            loop = FollowerLoop(scheduler, group)
     except Exception:
         report(ready_pipe, ReadyReport(ok=False, error=traceback.format_exc()))
         return
     report(ready_pipe, ReadyReport(ok=True, info=loop.info()))
-    loop.run(parent_pid)
+    try:
+        loop.run(parent_pid)
+    finally:
+        if group is not None:
+            group.close()
 
 
 # one prompt length a multiple of 16 and one not: Triton specialises kernels on row counts that are
@@ -75,8 +98,15 @@ def warm_up(scheduler: Scheduler) -> None:
 class SchedulerLoop:
     """The message loop around one Scheduler."""
 
-    def __init__(self, scheduler: Scheduler, server_args: ServerArgs, port_args: PortArgs) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        server_args: ServerArgs,
+        port_args: PortArgs,
+        group: TensorParallelGroup | None = None,
+    ) -> None:
         self.scheduler = scheduler
+        self.group = group
         self.context = zmq.Context()
         self.recv_socket = socket(self.context, zmq.PULL, port_args.scheduler_input, bind=True)
         self.send_socket = socket(self.context, zmq.PUSH, port_args.detokenizer_input, bind=False)
@@ -101,9 +131,12 @@ class SchedulerLoop:
         busy = False
         last_parent_check = time.monotonic()
         while True:
-            for message in self._recv_all(block=not self.scheduler.has_work()):
+            messages = self._recv_all(block=not self.scheduler.has_work())
+            expired = self._expire_waiting()
+            if self.group is not None:  # the other ranks apply the same inputs before the same step
+                self.group.share(StepInputs(messages, expired))
+            for message in messages:
                 self._handle(message)
-            self._expire_waiting()
             if self.scheduler.has_work():
                 busy = True
                 outputs = self.scheduler.step()
@@ -119,17 +152,21 @@ class SchedulerLoop:
                 last_parent_check = now
                 if not parent_alive(parent_pid):
                     logger.info("parent process is gone; exiting")
+                    if self.group is not None:
+                        self.group.share(StepInputs([], [], stop=True))
                     self.port_args.cleanup()  # a parent killed by SIGKILL could not remove the socket files
                     return
 
-    def _expire_waiting(self) -> None:
-        """Answer the requests that waited in the queue past --request-timeout with an error."""
+    def _expire_waiting(self) -> list[str]:
+        """Answer the requests that waited in the queue past --request-timeout with an error; their rids."""
         timeout = self.request_timeout
         if timeout is None or not self.scheduler.waiting:
-            return
-        for rid in self.scheduler.expire_waiting(time.monotonic(), timeout):
+            return []
+        expired = self.scheduler.expire_waiting(time.monotonic(), timeout)
+        for rid in expired:
             message = f"the request waited {timeout:g} s in the queue without being started (--request-timeout)"
             self.send_socket.send_pyobj(GenerateError(rid, message, kind="queue_timeout"))
+        return expired
 
     def _recv_all(self, block: bool) -> list[object]:
         if block and not self.recv_socket.poll(int(PARENT_CHECK_INTERVAL_S * 1000)):
@@ -177,6 +214,43 @@ class SchedulerLoop:
             self.scheduler.check_integrity()
         except AssertionError:
             logger.exception("KV pools are inconsistent after the last request finished")
+
+
+class FollowerLoop:
+    """The loop of a tensor-parallel rank other than 0: rank 0's inputs in, the same step out, no sockets (its
+    outputs equal rank 0's, which rank 0 sends)."""
+
+    def __init__(self, scheduler: Scheduler, group: TensorParallelGroup) -> None:
+        self.scheduler = scheduler
+        self.group = group
+
+    def info(self) -> None:
+        return None
+
+    def run(self, parent_pid: int) -> None:
+        scheduler = self.scheduler
+        busy = False
+        while True:
+            inputs = self.group.share(None)  # blocks until rank 0's next iteration (at least every second)
+            if inputs.stop or not parent_alive(parent_pid):
+                logger.info("rank 0 or the parent process is gone; exiting")
+                return
+            for message in inputs.messages:
+                if isinstance(message, TokenizedGenerateReq):
+                    with contextlib.suppress(ValueError):  # rank 0 answers it with the same error
+                        scheduler.add_request(message)
+                elif isinstance(message, AbortReq):
+                    scheduler.abort(message.rid)
+            scheduler.drop_waiting(inputs.expired)
+            if scheduler.has_work():
+                busy = True
+                scheduler.step()
+            elif busy:
+                busy = False
+                try:
+                    scheduler.check_integrity()
+                except AssertionError:
+                    logger.exception("KV pools are inconsistent after the last request finished")
 
 
 def pool_stats(scheduler: Scheduler) -> dict[str, PoolStats]:

@@ -9,6 +9,7 @@ import torch
 from transformers import GenerationConfig
 
 from srt.configs.model_config import ModelConfig, resolve_dtype
+from srt.distributed.ranks import TensorParallelGroup
 from srt.forward.forward_batch import ForwardBatch
 from srt.layers.attention import create_attention_backend
 from srt.layers.logits_processor import LogitsOutput
@@ -47,13 +48,21 @@ def resolve_load_format(server_args: ServerArgs) -> str:
 
 
 class ModelRunner:
-    """The model on its device with its KV memory."""
+    """The model on its device with its KV memory; under tensor parallelism (`tp`) this rank's shard of both."""
 
-    def __init__(self, server_args: ServerArgs, model_config: ModelConfig | None = None) -> None:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        model_config: ModelConfig | None = None,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
         self.server_args = server_args
-        self.device = resolve_device(server_args.device)
+        self.tp = tp
+        self.device = tp.device if tp is not None else resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
         self.model_config = model_config or ModelConfig.from_name_or_path(server_args.model_path)
+        if tp is not None:
+            self.model_config = self.model_config.for_tensor_parallel(tp.place.rank, tp.place.size)
         load_format = resolve_load_format(server_args)
         model_path = Path(server_args.model_path) if load_format != "dummy" else None
         self.model = load_model(
@@ -119,8 +128,11 @@ class ModelRunner:
         if self.device.type == "cuda":
             device_memory = torch.cuda.get_device_properties(self.device).total_memory
         plan = plan_pools(self.server_args, self.model_config, self.dtype, weight_bytes, device_memory)
-        logger.info("KV memory: %s", plan.summary())
+        rank = f"rank {self.tp.place.rank}: " if self.tp is not None else ""
+        logger.info("KV memory: %s%s", rank, plan.summary())
         self.memory_plan = plan
+        if self.tp is not None:  # every rank allocates the same slots: the smallest pools of any rank
+            return tuple(self.tp.agree_min([plan.full_tokens, plan.swa_tokens]))
         return plan.full_tokens, plan.swa_tokens
 
     def capture_cuda_graphs(self, use_graphs: bool = True) -> None:

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from srt.configs.model_config import ModelConfig
+from srt.distributed.weight_shards import read_shard, shard_of
 from srt.model_loader.fp8 import FP8, dequantize, scheme_of_checkpoint
 from srt.model_loader.weight_names import AUDIO_PREFIXES, to_param_name
 from srt.models.gemma4 import Gemma4ForCausalLM
@@ -83,6 +84,8 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
     unexpected, mis_shaped = [], []
     audio = 0
     scheme = scheme_of_checkpoint(model_path)
+    if scheme is not None and config.tp_size > 1:
+        raise ValueError("FP8 checkpoints with --tp-size > 1 are not supported yet; serve them with --tp-size 1")
     fp8_weights: dict[str, torch.Tensor] = {}  # dequantized once every shard is read (scales may come later)
     fp8_scales: dict[str, torch.Tensor] = {}
     files = safetensors_files(model_path)
@@ -102,7 +105,11 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
                 if name not in state:
                     unexpected.append(checkpoint_name)
                     continue
-                tensor = handle.get_tensor(checkpoint_name)
+                if config.tp_size > 1:  # this rank's part only, read from the file as such
+                    piece = handle.get_slice(checkpoint_name)
+                    tensor = read_shard(piece, shard_of(name, piece.get_shape(), config))
+                else:
+                    tensor = handle.get_tensor(checkpoint_name)
                 if tensor.dtype == FP8:
                     fp8_weights[checkpoint_name] = tensor
                     continue
@@ -143,10 +150,14 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
 def fill_dummy_weights(model: Gemma4ForCausalLM, seed: int) -> None:
     """Seeded random weights at the real shapes (for benchmarks: a forward costs the same for any values).
 
-    Norm weights, scales and layer scalars are 1 so activations keep a sane range through deep stacks.
+    Norm weights, scales and layer scalars are 1 so activations keep a sane range through deep stacks. Each
+    tensor draws from its own seed (`seed` + its index), so that tensor-parallel ranks agree on the tensors
+    they all hold whole (the router, norms) whatever the shapes of their shards.
     """
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, tensor in tqdm(list(model.state_dict().items()), desc="Dummy weights", unit="tensor", disable=None):
+    generator = torch.Generator(device=next(model.parameters()).device)
+    items = list(model.state_dict().items())
+    for index, (name, tensor) in enumerate(tqdm(items, desc="Dummy weights", unit="tensor", disable=None)):
+        generator.manual_seed(seed + index)
         if name.endswith(("_min", "_max")):  # clipping ranges of the vision tower's linears: clip nothing
             tensor.fill_(float("-inf") if name.endswith("_min") else float("inf"))
         elif "norm" in name or name.endswith(("layer_scalar", "scale")):

@@ -67,14 +67,19 @@ class Gemma4TextModel(nn.Module):
         super().__init__()
         hf = config.hf_text_config
         self.config = config
-        self.embed_tokens = ScaledEmbedding(hf.vocab_size, hf.hidden_size, hf.hidden_size**0.5)
+        rank, size = config.tp_rank, config.tp_size
+        self.embed_tokens = ScaledEmbedding(
+            config.vocab_part(hf.vocab_size), hf.hidden_size, hf.hidden_size**0.5, rank, size
+        )
         self.layers = nn.ModuleList(Gemma4DecoderLayer(config, spec) for spec in config.layers)
         self.norm = RMSNorm(hf.hidden_size, hf.rms_norm_eps)
         self.rotary = RotaryEmbedding(hf)
         self.ple_dim = hf.hidden_size_per_layer_input or 0
         if self.ple_dim:
             total = config.num_layers * self.ple_dim
-            self.embed_tokens_per_layer = ScaledEmbedding(hf.vocab_size_per_layer_input, total, self.ple_dim**0.5)
+            self.embed_tokens_per_layer = ScaledEmbedding(
+                config.vocab_part(hf.vocab_size_per_layer_input), total, self.ple_dim**0.5, rank, size
+            )
             self.per_layer_model_projection = nn.Linear(hf.hidden_size, total, bias=False)
             self.per_layer_projection_norm = RMSNorm(self.ple_dim, hf.rms_norm_eps)
         # the layer at which the batch shrinks to its logits rows (YOCO); None runs every row through
@@ -97,14 +102,17 @@ class Gemma4TextModel(nn.Module):
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[tokens, layers, ple_dim]: (normed projection of the embedding + token's own PLE row) / sqrt(2)."""
         table = self.embed_tokens_per_layer
+        rows, ids = table.weight, input_ids
+        if table.tp_size > 1:  # the rows of a vocab-parallel table, gathered: a table indexed by token position
+            rows, ids = table.rows(input_ids), torch.arange(len(input_ids), device=input_ids.device)
         return combine_per_layer_inputs(
             self.per_layer_model_projection(embeds),
             self.config.hidden_size**-0.5,
             self.per_layer_projection_norm.weight,
             self.per_layer_projection_norm.eps,
-            table.weight,
+            rows,
             table.scale,
-            input_ids,
+            ids,
         )
 
     def embed(
@@ -190,7 +198,7 @@ class Gemma4ForCausalLM(nn.Module):
         self.model = Gemma4TextModel(config)
         self.tie_word_embeddings = bool(config.hf_text_config.tie_word_embeddings)
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_part(config.vocab_size), bias=False)
 
     def fuse_projections(self) -> None:
         """Stack projections that read the same input into one matmul each and store every projection weight
@@ -215,5 +223,5 @@ class Gemma4ForCausalLM(nn.Module):
         backend.init_forward_metadata(batch)
         hidden, skipped = self.model(batch, backend, images)
         softcap = self.config.hf_text_config.final_logit_softcapping
-        logits = compute_logits(hidden, self.lm_head_weight, softcap)
+        logits = compute_logits(hidden, self.lm_head_weight, softcap, self.config.tp_size, self.config.vocab_size)
         return LogitsOutput(logits.logits, hidden, skipped, logits.greedy_ids)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from srt.configs.model_config import AttentionLayerSpec, ModelConfig
+from srt.distributed.collectives import reduce_sum
 from srt.forward.forward_batch import ForwardBatch
 from srt.kernels.norm import add_rms_norm, add_rms_norm_then_norm
 from srt.kernels.per_layer_projection import per_layer_input_projection
@@ -29,12 +30,14 @@ class Gemma4Attention(nn.Module):
     """q/k/v projections with q/k/v norms and RoPE; scaling 1.0. KV-shared layers have only q and o.
 
     Weights load into the checkpoint's q_proj / k_proj / v_proj; `fuse_projections` then stacks them into
-    `qkv_proj` (q and k only on k_eq_v layers), the form `forward` runs.
+    `qkv_proj` (q and k only on k_eq_v layers), the form `forward` runs. Under tensor parallelism `spec` holds
+    this rank's heads and the o projection's output is summed over the ranks.
     """
 
-    def __init__(self, spec: AttentionLayerSpec, hidden_size: int, eps: float) -> None:
+    def __init__(self, spec: AttentionLayerSpec, hidden_size: int, eps: float, tp_size: int = 1) -> None:
         super().__init__()
         self.spec = spec
+        self.tp_size = tp_size
         dim, heads, kv_heads = spec.head_dim, spec.num_heads, spec.num_kv_heads
         self.q_proj = nn.Linear(hidden_size, heads * dim, bias=False)
         self.q_norm = RMSNorm(dim, eps=eps)
@@ -88,14 +91,16 @@ class Gemma4Attention(nn.Module):
                 batch.out_cache_loc,
             )
         out = backend.forward(q, self.spec, batch)
-        return linear_partials(out.reshape(tokens, -1), self.o_proj.weight)
+        return reduce_sum(linear_partials(out.reshape(tokens, -1), self.o_proj.weight), self.tp_size)
 
 
 class Gemma4MLP(nn.Module):
-    """gelu-tanh gated MLP; `fuse_projections` stacks the checkpoint's gate_proj and up_proj into gate_up_proj."""
+    """gelu-tanh gated MLP; `fuse_projections` stacks the checkpoint's gate_proj and up_proj into gate_up_proj.
+    Under tensor parallelism `intermediate_size` is this rank's share and the output is summed over the ranks."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_size: int = 1) -> None:
         super().__init__()
+        self.tp_size = tp_size
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
@@ -110,7 +115,7 @@ class Gemma4MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             raise RuntimeError("Gemma4MLP runs after fuse_projections() (load_model calls it)")
-        return linear_partials(gelu_mlp(x, self.gate_up_proj), self.down_proj.weight)
+        return reduce_sum(linear_partials(gelu_mlp(x, self.gate_up_proj), self.down_proj.weight), self.tp_size)
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -120,10 +125,11 @@ class Gemma4DecoderLayer(nn.Module):
         super().__init__()
         hf = config.hf_text_config
         hidden, eps = hf.hidden_size, hf.rms_norm_eps
-        self.self_attn = Gemma4Attention(spec, hidden, eps)
+        self.tp_size = config.tp_size
+        self.self_attn = Gemma4Attention(spec, hidden, eps, config.tp_size)
         # KV-shared layers of double-wide checkpoints (E2B) have twice the MLP width
         double_wide = bool(hf.use_double_wide_mlp) and not spec.owns_kv
-        self.mlp = Gemma4MLP(hidden, hf.intermediate_size * (2 if double_wide else 1))
+        self.mlp = Gemma4MLP(hidden, config.tp_part(hf.intermediate_size * (2 if double_wide else 1)), config.tp_size)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
@@ -132,7 +138,8 @@ class Gemma4DecoderLayer(nn.Module):
         self.has_moe = config.is_moe
         if self.has_moe:
             self.router = Router(hidden, hf.num_experts, hf.top_k_experts, eps)
-            self.experts = Experts(hf.num_experts, hidden, hf.moe_intermediate_size)
+            # each rank holds every expert's slice of the intermediate width; the routing is the same on all
+            self.experts = Experts(hf.num_experts, hidden, config.tp_part(hf.moe_intermediate_size))
             self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
             self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
             self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
@@ -167,6 +174,7 @@ class Gemma4DecoderLayer(nn.Module):
             # the router and the experts see the residual stream, not the dense MLP's input norm
             routing = self.router(residual)
             expert_out = self.experts(self.pre_feedforward_layernorm_2(residual), *routing)
+            expert_out = reduce_sum(expert_out, self.tp_size)
             expert_out = self.post_feedforward_layernorm_2(expert_out)
             mlp_out = add_norm(self.post_feedforward_layernorm_1, mlp_out, expert_out)
         if not self.ple_dim:

@@ -1,0 +1,85 @@
+"""The tensor-parallel ranks of one server: which device each owns, how they join torch.distributed, and how
+rank 0 hands every iteration's inputs to the others.
+
+Each rank runs a whole Scheduler over its shard of the model. Rank 0 alone talks to the other processes
+(ZMQ); at the top of every loop iteration it broadcasts what it received (requests, aborts) and what it
+decided from its clock (requests that waited past --request-timeout) over a gloo group. Every rank then
+applies the same inputs to the same state and so schedules the same step: the same batch, the same KV slots,
+the same collectives in the same order, the same sampled tokens (identical logits after the gather, generators
+seeded alike). Broadcasting the inputs (a few bytes per iteration) rather than each step's batch keeps the
+scheduler one code path for one rank and for many.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from srt.distributed.placement import RankPlace
+from srt.server_args import ServerArgs
+
+# A rank waits this long for the others inside a collective before it fails (an idle rank 0 still broadcasts
+# every second, so only a stuck or dead rank gets there).
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def rank_device(server_args: ServerArgs, place: RankPlace) -> torch.device:
+    """This rank's device: GPU --base-gpu-id + local rank, or the CPU. RuntimeError when the GPUs are too few."""
+    wants_cuda = server_args.device == "cuda" or (server_args.device == "auto" and torch.cuda.is_available())
+    if not wants_cuda:
+        return torch.device("cpu")
+    needed = server_args.base_gpu_id + server_args.tp_size // server_args.nnodes
+    found = torch.cuda.device_count()
+    if found < needed:
+        raise RuntimeError(
+            f"--tp-size {server_args.tp_size} on {server_args.nnodes} node(s) from --base-gpu-id "
+            f"{server_args.base_gpu_id} needs GPUs 0..{needed - 1} on this node; torch sees {found}"
+        )
+    return torch.device("cuda", server_args.base_gpu_id + place.local_rank)
+
+
+class StepInputs(NamedTuple):
+    """What rank 0 hands every rank at the top of a loop iteration."""
+
+    messages: list[object]  # requests, aborts, stats requests, in arrival order
+    expired: list[str]  # rids of waiting requests dropped for --request-timeout
+    stop: bool = False  # rank 0 is exiting: so are the others
+
+
+class TensorParallelGroup:
+    """This rank's membership of torch.distributed: the default group runs the model's collectives (NCCL on
+    GPUs, gloo on CPUs), a gloo group carries rank 0's step inputs."""
+
+    def __init__(self, server_args: ServerArgs, place: RankPlace) -> None:
+        self.place = place
+        self.device = device = rank_device(server_args, place)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{server_args.dist_init_addr}",
+            world_size=place.size,
+            rank=place.rank,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+        self.control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+
+    def share(self, inputs: StepInputs | None) -> StepInputs:
+        """Rank 0 passes its inputs and gets them back; every other rank passes None and gets rank 0's."""
+        box = [inputs]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def agree_min(self, values: list[int]) -> list[int]:
+        """The element-wise minimum over the ranks (pool sizes, so that every rank allocates the same slots)."""
+        tensor = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.control)
+        return tensor.tolist()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,99 @@
+"""Tensor parallelism on CPUs (gloo): two rank processes run each tiny variant in float32; their greedy tokens
+and logits are compared with one rank's.
+
+The bound. A rank holds half the heads and half the MLP width; o and down (row-parallel) sum their halves
+across ranks, where one rank sums the whole row at once, and the narrower GEMMs may block their sums
+differently. Both are float32 rounding, which the tiny random models amplify: two ranks move the logits by a
+relative RMS of ~5e-6 on E4B / 26B-A4B, 1e-5 on E2B and 8e-5 on 31B, and one rank whose o / down products are
+computed as two half sums added (`split_sums`) moves them as much (9e-6 on E2B, 8e-5 on 31B). So the bound
+is the issue's 1e-5 or, where that split alone moves the logits more on this machine, 3x what it moves them;
+a wrong shard (a head or column slice off) moves them by 1e-2 or more. Greedy tokens must be identical.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import srt.models.gemma4_layers as gemma4_layers
+from srt.distributed.placement import RankPlace, free_loopback_address
+from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.static_batch import generate_greedy
+from srt.server_args import ServerArgs
+
+VARIANTS = ["tiny-gemma-4-E2B-it", "tiny-gemma-4-E4B-it", "tiny-gemma-4-26B-A4B-it", "tiny-gemma-4-31B-it"]
+PROMPTS = [[2, 17, 99, 4, 250, 31, 8], [2] + [(13 * i + 5) % 1000 for i in range(40)]]  # one past the window
+STEPS = 6
+TP_REL_TOL = 1e-5
+SPLIT_MULTIPLE = 3.0
+
+
+def _args(checkpoint: Path, **extra: object) -> ServerArgs:
+    return ServerArgs(
+        model_path=str(checkpoint), device="cpu", dtype="float32", max_total_tokens=512, max_running_requests=4,
+        **extra,
+    )  # fmt: skip
+
+
+def _rank_main(checkpoints: dict[str, Path], address: str, rank: int, results: mp.Queue) -> None:
+    from srt.distributed.ranks import TensorParallelGroup
+
+    torch.set_num_threads(1)
+    group = TensorParallelGroup(_args(Path("."), tp_size=2, dist_init_addr=address), RankPlace(rank, 2, rank))
+    try:
+        for preset, checkpoint in checkpoints.items():
+            runner = ModelRunner(_args(checkpoint, tp_size=2, dist_init_addr=address), tp=group)
+            out = generate_greedy(runner, PROMPTS, STEPS)
+            results.put((preset, rank, out.output_ids, torch.stack(out.step_logits).numpy()))
+    finally:
+        group.close()
+
+
+@pytest.fixture(scope="module")
+def two_rank_outputs(tiny_checkpoint) -> dict[tuple[str, int], tuple[list[list[int]], torch.Tensor]]:
+    """(preset, rank) -> (greedy tokens, logits) of every variant, from one pair of rank processes."""
+    checkpoints = {preset: tiny_checkpoint(preset) for preset in VARIANTS}
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    address = free_loopback_address()
+    procs = [ctx.Process(target=_rank_main, args=(checkpoints, address, r, results)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    outputs = {}
+    for _ in range(2 * len(VARIANTS)):
+        preset, rank, ids, logits = results.get(timeout=300)
+        outputs[preset, rank] = (ids, torch.from_numpy(logits))
+    for proc in procs:
+        proc.join(30)
+        assert proc.exitcode == 0
+    return outputs
+
+
+def split_sums(x: torch.Tensor, weight: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+    """o / down as two ranks compute them: each half of the input dimension's product, then their sum."""
+    half = x.shape[1] // 2
+    return F.linear(x[:, :half], weight[:, :half]) + F.linear(x[:, half:], weight[:, half:])
+
+
+def _relative_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("preset", VARIANTS)
+def test_two_ranks_match_one(tiny_checkpoint, two_rank_outputs, monkeypatch, preset: str) -> None:
+    checkpoint = tiny_checkpoint(preset)
+    alone = generate_greedy(ModelRunner(_args(checkpoint)), PROMPTS, STEPS)
+    plain = torch.stack(alone.step_logits)
+    monkeypatch.setattr(gemma4_layers, "linear_partials", split_sums)
+    split = torch.stack(generate_greedy(ModelRunner(_args(checkpoint)), PROMPTS, STEPS).step_logits)
+    bound = max(TP_REL_TOL, SPLIT_MULTIPLE * _relative_rms(split, plain))
+    for rank in range(2):
+        output_ids, logits = two_rank_outputs[preset, rank]
+        assert output_ids == alone.output_ids, f"rank {rank}"
+        moved = _relative_rms(logits, plain)
+        print(f"{preset} rank {rank}: relative RMS {moved:.1e} from one rank (bound {bound:.1e})")
+        assert moved <= bound, f"rank {rank}: {moved:.2e} from one rank"
