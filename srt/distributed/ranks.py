@@ -12,6 +12,7 @@ scheduler one code path for one rank and for many.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from typing import NamedTuple
 
@@ -20,6 +21,9 @@ import torch.distributed as dist
 
 from srt.distributed.placement import RankPlace
 from srt.server_args import ServerArgs
+
+# what may differ between the nodes of one server; every other argument decides what each rank computes
+PER_NODE_ARGS = ("node_rank", "base_gpu_id", "host", "port", "log_level", "log_interval")
 
 # A rank waits this long for the others inside a collective before it fails (an idle rank 0 still broadcasts
 # every second, so only a stuck or dead rank gets there).
@@ -67,6 +71,22 @@ class TensorParallelGroup:
             timeout=COLLECTIVE_TIMEOUT,
         )
         self.control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+        self._check_same_args(server_args)
+
+    def _check_same_args(self, server_args: ServerArgs) -> None:
+        """ValueError on a rank whose arguments differ from rank 0's where they decide the steps (another
+        node started with another --chunked-prefill-size would schedule other steps and desynchronise)."""
+        box = [server_args]
+        dist.broadcast_object_list(box, src=0, group=self.control)
+        first = box[0]
+        differ = [
+            f"--{f.name.replace('_', '-')} {getattr(server_args, f.name)!r} (rank 0: {getattr(first, f.name)!r})"
+            for f in dataclasses.fields(ServerArgs)
+            if f.name not in PER_NODE_ARGS and getattr(server_args, f.name) != getattr(first, f.name)
+        ]
+        if differ:
+            rank = self.place.rank
+            raise ValueError(f"rank {rank} was started with other arguments than rank 0: {'; '.join(differ)}")
 
     def share(self, inputs: StepInputs | None) -> StepInputs:
         """Rank 0 passes its inputs and gets them back; every other rank passes None and gets rank 0's."""

@@ -41,9 +41,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Until uvicorn installs its own handlers, SIGTERM must still unwind (and so stop the children).
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from srt.entrypoints.http_server import launch_server
+    from srt.entrypoints.processes import run_node_ranks
 
     try:
-        launch_server(server_args)
+        if server_args.node_rank > 0:  # only this node's ranks: node 0 serves HTTP
+            run_node_ranks(server_args)
+        else:
+            launch_server(server_args)
     except KeyboardInterrupt:
         pass
     except RuntimeError as error:  # a child failed to start (its traceback is the message) or died

@@ -120,6 +120,21 @@ def launch_processes(server_args: ServerArgs, timeout: float = STARTUP_TIMEOUT_S
     return group
 
 
+def run_node_ranks(server_args: ServerArgs) -> None:
+    """A node other than the first (--node-rank > 0): start its tensor-parallel ranks and wait until they end
+    (rank 0 stopping ends them); RuntimeError naming a rank that failed."""
+    processes = launch_processes(server_args)
+    logger.info("node %d: ranks ready, serving for node 0", server_args.node_rank)
+    try:
+        wait([proc.sentinel for proc in processes.children.values()])
+        time.sleep(0.5)  # the others end as well when rank 0 stopped: let them, then report any failure
+        failed = [f"{name} (exit code {proc.exitcode})" for name, proc in processes.children.items() if proc.exitcode]
+    finally:
+        processes.shutdown()
+    if failed:
+        raise RuntimeError(f"node {server_args.node_rank}: {', '.join(failed)} ended with an error")
+
+
 def _children(server_args: ServerArgs) -> list[tuple[str, str, tuple]]:
     """(name, entry point, extra arguments) of every child this node starts."""
     if server_args.tp_size == 1:

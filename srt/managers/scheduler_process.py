@@ -68,6 +68,11 @@ def run_scheduler_process(
     report(ready_pipe, ReadyReport(ok=True, info=loop.info()))
     try:
         loop.run(parent_pid)
+    except SystemExit:  # SIGTERM (the server's shutdown): rank 0 tells the other ranks to end too
+        if group is not None and group.place.is_first:
+            with contextlib.suppress(RuntimeError):
+                group.share(StepInputs([], [], stop=True))
+        raise
     finally:
         if group is not None:
             group.close()
