@@ -256,8 +256,9 @@ def test_gpu_fp8_experts_capture_in_a_cuda_graph() -> None:
 @pytest.mark.gpu
 def test_gpu_tiny_26b_fp8_fused_vs_reference(tiny_checkpoint) -> None:
     """The tiny 26B-A4B checkpoint with FP8 experts in float32: the fused path (routing kernel, FP8 triton
-    experts) against the torch reference (dequantized loop) on the same GPU: greedy tokens over 12 steps
-    identical, logits within 1e-4."""
+    experts) against the torch reference (dequantized loop) on the same GPU, both eager: greedy tokens over 12
+    steps identical, logits within 1e-4; then the fused path from CUDA graphs captured after quantizing (as a
+    load-time hook must: graphs hold the weights' addresses) gives the eager fused outputs."""
     from srt.layers.moe.router import Router
     from srt.model_executor.model_runner import ModelRunner
     from srt.model_executor.static_batch import generate_greedy
@@ -265,7 +266,10 @@ def test_gpu_tiny_26b_fp8_fused_vs_reference(tiny_checkpoint) -> None:
 
     path = tiny_checkpoint("tiny-gemma-4-26B-A4B-it")
     prompts = [torch.randint(3, 1000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 23, 41)]
-    runner = ModelRunner(ServerArgs(model_path=str(path), device="cuda", dtype="float32", max_total_tokens=4096))
+    args = ServerArgs(
+        model_path=str(path), device="cuda", dtype="float32", max_total_tokens=4096, disable_cuda_graph=True
+    )
+    runner = ModelRunner(args)
     for module in runner.model.modules():
         if isinstance(module, Experts):
             module.quantize_fp8()
@@ -275,6 +279,9 @@ def test_gpu_tiny_26b_fp8_fused_vs_reference(tiny_checkpoint) -> None:
             if isinstance(module, Router | Experts):
                 module.backend = backend
         results[name] = generate_greedy(runner, prompts, 12)
-    assert results["fused"].output_ids == results["reference"].output_ids
-    for ours, ref in zip(results["fused"].step_logits, results["reference"].step_logits, strict=True):
-        assert relative_error(ours, ref) < 1e-4
+    runner.capture_cuda_graphs()
+    results["graphs"] = generate_greedy(runner, prompts, 12)
+    for name, reference in (("fused", "reference"), ("graphs", "fused")):
+        assert results[name].output_ids == results[reference].output_ids, name
+        for ours, ref in zip(results[name].step_logits, results[reference].step_logits, strict=True):
+            assert relative_error(ours, ref) < 1e-4, name
