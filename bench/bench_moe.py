@@ -62,6 +62,13 @@ FP8_SWEEP = [
     ExpertsConfig(64, 64, 128, 128, 4, 3),
     ExpertsConfig(128, 64, 256, 64, 8, 3),
     ExpertsConfig(128, 128, 128, 128, 8, 3),
+    # swapped product: the upcast weight tile is the dot's first operand (wgmma from registers), BLOCK_N its M
+    ExpertsConfig(16, 64, 64, 128, 4, 4, swap_ab=True),
+    ExpertsConfig(16, 64, 64, 256, 4, 4, swap_ab=True),
+    ExpertsConfig(16, 128, 128, 128, 4, 3, swap_ab=True),
+    ExpertsConfig(64, 128, 128, 64, 4, 3, swap_ab=True),
+    ExpertsConfig(128, 128, 128, 64, 8, 3, swap_ab=True),
+    ExpertsConfig(128, 128, 256, 64, 8, 3, swap_ab=True),
 ]
 
 

@@ -39,6 +39,10 @@ class ExpertsConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    # (w @ x.T).T instead of x @ w.T: the weight tile becomes the dot's first operand, which Hopper's wgmma may
+    # read from registers, where an upcast FP8 tile is; and its row count (BLOCK_N), not a decode batch's few
+    # rows, fills the MMA's M. An option for the sweeps (bench_moe.py --fp8), off by default.
+    swap_ab: bool = False
 
 
 def default_experts_config(num_slots: int, num_experts: int, on_gpu: bool, fp8: bool = False) -> ExpertsConfig:
@@ -80,6 +84,7 @@ def _gate_up_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     W_FP8: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -96,8 +101,12 @@ def _gate_up_kernel(
     # [BLOCK_K, BLOCK_N] tiles of gate rows (0..inter) and up rows (inter..2*inter), transposed by indexing
     gate_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     up_ptrs = gate_ptrs + INTER * stride_wn
-    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
         k_ok = offs_k < HIDDEN - k0
         x = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -108,8 +117,14 @@ def _gate_up_kernel(
             w_gate, w_up = w_gate.to(x.dtype), w_up.to(x.dtype)
         if UPCAST:
             x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
-        gate = tl.dot(x, w_gate, gate, input_precision=PRECISION)
-        up = tl.dot(x, w_up, up, input_precision=PRECISION)
+        if SWAP_AB:
+            gate = tl.dot(tl.trans(w_gate), tl.trans(x), gate, input_precision=PRECISION)
+            up = tl.dot(tl.trans(w_up), tl.trans(x), up, input_precision=PRECISION)
+        else:
+            gate = tl.dot(x, w_gate, gate, input_precision=PRECISION)
+            up = tl.dot(x, w_up, up, input_precision=PRECISION)
+    if SWAP_AB:
+        gate, up = tl.trans(gate), tl.trans(up)
     if W_FP8:  # per output channel: gate's columns, then up's (inter further on)
         scale_ptrs = scale_ptr + expert * stride_se + offs_n
         gate *= tl.load(scale_ptrs, mask=col_ok, other=0.0)[None, :]
@@ -143,6 +158,7 @@ def _down_kernel(
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
     W_FP8: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -157,7 +173,10 @@ def _down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     act_ptrs = act_ptr + slots64[:, None] * stride_act + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         k_ok = offs_k < INTER - k0
         a = tl.load(act_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -166,7 +185,12 @@ def _down_kernel(
             w = w.to(a.dtype)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if SWAP_AB:
+            acc = tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     if W_FP8:
         acc *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=col_ok, other=0.0)[None, :]
     acc = acc * tl.load(weights_ptr + slots64, mask=row_ok, other=0.0)[:, None]
@@ -232,6 +256,7 @@ def grouped_gate_up(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n_gate_up,
         BLOCK_K=config.block_k,
+        SWAP_AB=config.swap_ab,
         **_dot_options(hidden),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -274,6 +299,7 @@ def grouped_down(
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n_down,
         BLOCK_K=config.block_k,
+        SWAP_AB=config.swap_ab,
         **_dot_options(act),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

@@ -36,6 +36,7 @@ from test_experts_kernels import (
     requires_triton,
 )
 
+from srt.kernels.moe import experts as experts_kernels
 from srt.layers.moe import fused_experts as fe
 from srt.layers.moe.experts import Experts
 from srt.model_loader.fp8 import FP8, FP8_MAX
@@ -144,6 +145,24 @@ def test_fp8_triton_matches_dequantized_loop(tokens: int, dtype: torch.dtype) ->
         )
     print(f"{dtype} tokens={tokens}: vs dequantized {error:.1e}, FP8 vs 16-bit experts {fp8_error:.2e}")
     assert fp8_error < FP8_VS_16BIT_TOL
+
+
+@requires_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swap_ab_blocks_match_the_loop(dtype: torch.dtype) -> None:
+    """The kernels' swapped product (w @ x.T).T, on FP8 and on 16-bit weights."""
+    experts16 = make_experts(8, 48, 32, dtype)
+    hidden = torch.randn(3, 48).to(DEVICE, dtype)
+    weights, ids = make_routing(3, 8, 2)
+    config = experts_kernels.ExpertsConfig(16, 16, 16, 16, 4, 1, swap_ab=True)
+    for experts in (fp8_copy(experts16), experts16):
+        scales = {"gate_up_scale": experts.gate_up_proj_scale, "down_scale": experts.down_proj_scale}
+        with torch.no_grad():
+            out = fe.triton_experts(
+                hidden, experts.gate_up_proj, experts.down_proj, weights, ids.int(), config=config, **scales
+            )
+            exact = experts.forward_reference(hidden.float(), weights, ids)  # weights upcast (or dequantized)
+        assert relative_error(out, exact) < (FP32_TOL if dtype == torch.float32 else BF16_TOL)
 
 
 def dequantized_checkpoint(path: Path, out: Path, model: torch.nn.Module) -> int:
