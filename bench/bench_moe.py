@@ -308,6 +308,10 @@ def main() -> None:
                     f"{r['tokens']:6d} | {r['floor_us']} | {cells[0]} | {r.get('fp8_floor_us')} | {cells[1]} | "
                     f"{r.get('fp8_speedup_vs_bf16_triton_graph')} | {errors}"
                 )
+                timed = [e for e in r.get("fp8_triton_sweep", []) if isinstance(e.get("graph_us"), float)]
+                if timed:
+                    best = min(timed, key=lambda e: e["graph_us"])
+                    print(f"{'':6s}   fastest FP8 sweep block shape (graph): {best['config']} {best['graph_us']} us")
 
 
 if __name__ == "__main__":
