@@ -50,8 +50,10 @@ class Experts(nn.Module):
     def quantize_fp8(self) -> None:
         """Replace the 16-bit (or float32) expert weights by float8_e4m3fn ones and per-output-channel float32
         scales (absmax / 448, `model_loader/fp8.py`), on the weights' device. One expert at a time goes through
-        float32, so the extra memory is one expert's, not a layer's; the old weights are freed on return.
-        Call it last: a later `module.to(dtype)` would cast the FP8 weights and the scales too."""
+        float32, so the extra memory is one expert's, not a layer's; the old weights are freed on return (on
+        CUDA into torch's cache: `torch.cuda.empty_cache()` once after the last layer hands them back before
+        the KV pools are allocated). Call it after loading and before CUDA graphs are captured (they hold the
+        weights' addresses), and last: a later `module.to(dtype)` would cast the FP8 weights and scales too."""
         if self.is_fp8:
             return
         for name in ("gate_up_proj", "down_proj"):
