@@ -101,3 +101,14 @@ class Experts(nn.Module):
             expert_out = F.linear(F.gelu(gate, approximate="tanh") * up, down_proj)
             out.index_add_(0, token_idx, (expert_out * weights[token_idx, slot, None]).to(out.dtype))
         return out
+
+
+def quantize_experts_fp8(model: nn.Module) -> int:
+    """`quantize_fp8()` every `Experts` of `model` (a load-time hook's one call), then give the freed 16-bit
+    weights back to the device; returns how many were quantized."""
+    experts = [module for module in model.modules() if isinstance(module, Experts)]
+    for module in experts:
+        module.quantize_fp8()
+    if torch.cuda.is_available() and any(module.gate_up_proj.is_cuda for module in experts):
+        torch.cuda.empty_cache()
+    return len(experts)

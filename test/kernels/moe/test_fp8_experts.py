@@ -38,7 +38,7 @@ from test_experts_kernels import (
 
 from srt.kernels.moe import experts as experts_kernels
 from srt.layers.moe import fused_experts as fe
-from srt.layers.moe.experts import Experts
+from srt.layers.moe.experts import Experts, quantize_experts_fp8
 from srt.model_loader.fp8 import FP8, FP8_MAX
 
 # e4m3 rounds each weight by up to 2^-4 relative; through two GEMMs the outputs measured 3.9-6.0% off at 16
@@ -197,11 +197,9 @@ def test_tiny_26b_fp8_experts_equal_transformers_on_dequantized_weights(tiny_che
         pytest.skip("CPU path")
     path = tiny_checkpoint("tiny-gemma-4-26B-A4B-it")
     runner = ModelRunner(ServerArgs(model_path=str(path), device="cpu", dtype="float32"))
-    experts = [m for m in runner.model.modules() if isinstance(m, Experts)]
-    assert experts
-    for module in experts:
-        module.quantize_fp8()
-    assert dequantized_checkpoint(path, tmp_path / "dequantized", runner.model) == 2 * len(experts)
+    layers = quantize_experts_fp8(runner.model)
+    assert layers == runner.model_config.hf_text_config.num_hidden_layers
+    assert dequantized_checkpoint(path, tmp_path / "dequantized", runner.model) == 2 * layers
     assert "quantization_config" not in json.loads((path / "config.json").read_text())
 
     prompt = torch.randint(3, 1000, (19,), generator=torch.Generator().manual_seed(19)).tolist()
@@ -289,9 +287,7 @@ def test_gpu_tiny_26b_fp8_fused_vs_reference(tiny_checkpoint) -> None:
         model_path=str(path), device="cuda", dtype="float32", max_total_tokens=4096, disable_cuda_graph=True
     )
     runner = ModelRunner(args)
-    for module in runner.model.modules():
-        if isinstance(module, Experts):
-            module.quantize_fp8()
+    assert quantize_experts_fp8(runner.model) > 0
     results = {}
     for name, backend in (("reference", "torch"), ("fused", "auto")):
         for module in runner.model.modules():
