@@ -1,6 +1,6 @@
 """MoE of gemma-4-26B-A4B on one GPU: fused routing and fused experts against the torch paths (bf16).
 
-    PYTHONPATH=. python bench/bench_moe.py [--tokens 1 32 512 8192] [--no-sweep] [--json out.json]
+    PYTHONPATH=. python bench/bench_moe.py [--tokens 1 32 512 8192] [--no-sweep] [--fp8] [--json out.json]
 
 Shapes: hidden 2816, 128 experts, top 8, moe_intermediate 704. For each token count:
 
@@ -10,6 +10,11 @@ Shapes: hidden 2816, 128 experts, top 8, moe_intermediate 704. For each token co
 - experts: the torch loop (`Experts.forward_reference`, what the CPU path runs) against the fused backends
   ("triton", "grouped_mm"); relative error of each against the loop in float32 on the same bf16 weights.
   With sweep, other block shapes of the triton kernels too.
+- with --fp8, the same experts quantized to FP8 (`Experts.quantize_fp8`: float8_e4m3fn weights, float32 scales
+  per output channel) through the triton backend, side by side with bf16 in the same record ("fp8_triton"):
+  error against the bf16 oracle (the quantization error) and against the dequantized FP8 loop (the kernels'
+  own error), its floor (half the weight bytes), and its speedup over bf16 triton; with sweep, FP8_SWEEP too.
+  The decode sizes and a prefill: `--fp8 --tokens 1 32 7000`.
 
 Times are medians in microseconds (`timing.py`): `gpu_us` from CUDA events (L2 flushed before each call, so
 the experts' weights come from HBM), `graph_us` a CUDA graph replay of one call (no launch gaps; not for the
@@ -30,10 +35,9 @@ import torch
 from timing import time_cuda, time_host, write_json
 
 from srt.kernels.moe.experts import ExpertsConfig, default_experts_config
-from srt.kernels.moe.routing import topk_routing
+from srt.kernels.moe.routing import topk_routing, topk_routing_reference
 from srt.layers.moe import fused_experts as fe
 from srt.layers.moe.experts import Experts
-from srt.layers.moe.router import topk_routing_reference
 
 HIDDEN, EXPERTS, TOP_K, INTER = 2816, 128, 8, 704
 HBM_BYTES_PER_S, BF16_FLOPS = 3.0e12, 790e12
@@ -46,6 +50,25 @@ SWEEP = [
     ExpertsConfig(64, 64, 128, 64, 4, 3),
     ExpertsConfig(128, 64, 128, 64, 8, 3),
     ExpertsConfig(128, 128, 128, 64, 8, 3),
+]
+# FP8 weight tiles are half the bytes: wider K (or N) tiles keep as many bytes in flight as the bf16 ones
+FP8_SWEEP = [
+    ExpertsConfig(16, 32, 64, 128, 4, 4),
+    ExpertsConfig(16, 32, 64, 256, 4, 4),
+    ExpertsConfig(16, 64, 128, 256, 4, 3),
+    ExpertsConfig(16, 32, 32, 256, 4, 5),
+    ExpertsConfig(16, 64, 64, 128, 4, 5),
+    ExpertsConfig(32, 64, 64, 128, 4, 4),
+    ExpertsConfig(64, 64, 128, 128, 4, 3),
+    ExpertsConfig(128, 64, 256, 64, 8, 3),
+    ExpertsConfig(128, 128, 128, 128, 8, 3),
+    # swapped product: the upcast weight tile is the dot's first operand (wgmma from registers), BLOCK_N its M
+    ExpertsConfig(16, 64, 64, 128, 4, 4, swap_ab=True),
+    ExpertsConfig(16, 64, 64, 256, 4, 4, swap_ab=True),
+    ExpertsConfig(16, 128, 128, 128, 4, 3, swap_ab=True),
+    ExpertsConfig(64, 128, 128, 64, 4, 3, swap_ab=True),
+    ExpertsConfig(128, 128, 128, 64, 8, 3, swap_ab=True),
+    ExpertsConfig(128, 128, 256, 64, 8, 3, swap_ab=True),
 ]
 
 
@@ -106,7 +129,55 @@ def bench_routing(tokens: int) -> dict:
     return record
 
 
-def bench_experts(tokens: int, experts: Experts, sweep: bool) -> dict:
+def bench_fp8_experts(
+    record: dict,
+    hidden: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    exact: torch.Tensor,
+    fp8: Experts,
+    sweep: bool,
+) -> None:
+    """The FP8 experts through triton, added to the bf16 `record` of the same inputs."""
+    args = (hidden, fp8.gate_up_proj, fp8.down_proj, weights, ids)
+    scales = {"gate_up_scale": fp8.gate_up_proj_scale, "down_scale": fp8.down_proj_scale}
+    dequantized = fp8.forward_reference(hidden.float(), weights, ids.long())
+    tokens = hidden.shape[0]
+    try:
+        out = fe.fused_experts(*args, "triton", **scales)
+    except Exception as error:  # noqa: BLE001 - record and go on with the next size
+        record["fp8_triton"] = {"error": f"{error!r}"[:300]}
+        return
+    record["fp8_triton"] = {
+        "error": relative_error(out, exact),
+        "error_vs_dequantized": relative_error(out, dequantized),
+        **timings(lambda: fe.fused_experts(*args, "triton", **scales)),
+        "config": list(default_experts_config(tokens * TOP_K, EXPERTS, True, fp8=True).__dict__.values()),
+    }
+    weight_bytes = record["experts_touched"] * 3 * HIDDEN * INTER  # one byte per weight
+    flops = tokens * TOP_K * 3 * HIDDEN * INTER * 2
+    record["fp8_floor_us"] = round(1e6 * max(weight_bytes / HBM_BYTES_PER_S, flops / BF16_FLOPS), 2)
+    for key in ("gpu_us", "graph_us", "host_us"):
+        theirs, ours = record["triton"].get(key), record["fp8_triton"].get(key)
+        if isinstance(theirs, float) and isinstance(ours, float):
+            record[f"fp8_speedup_vs_bf16_triton_{key[:-3]}"] = round(theirs / ours, 2)
+    if not sweep:
+        return
+    record["fp8_triton_sweep"] = []
+    for config in FP8_SWEEP:
+        try:
+            out = fe.triton_experts(*args, config=config, **scales)
+            entry = {
+                "error_vs_dequantized": relative_error(out, dequantized),
+                "gpu_us": round(gpu_us(lambda c=config: fe.triton_experts(*args, config=c, **scales)), 2),
+                "graph_us": round(graph_us(lambda c=config: fe.triton_experts(*args, config=c, **scales)), 2),
+            }
+        except Exception as error:  # noqa: BLE001
+            entry = {"error": f"{error!r}"[:300]}
+        record["fp8_triton_sweep"].append({"config": list(config.__dict__.values()), **entry})
+
+
+def bench_experts(tokens: int, experts: Experts, sweep: bool, fp8: Experts | None = None) -> dict:
     hidden = torch.randn(tokens, HIDDEN, device=DEVICE).to(torch.bfloat16)
     logits = torch.randn(tokens, EXPERTS, device=DEVICE)
     weights, ids = topk_routing(logits, experts.per_expert_scale, TOP_K, use_triton=True)
@@ -152,6 +223,8 @@ def bench_experts(tokens: int, experts: Experts, sweep: bool) -> dict:
                 except Exception as error:  # noqa: BLE001
                     entry = {"error": f"{error!r}"[:300]}
                 record["triton_sweep"].append({"config": list(config.__dict__.values()), **entry})
+        if fp8 is not None:
+            bench_fp8_experts(record, hidden, weights, ids, exact, fp8, sweep)
     for backend in fe.BACKENDS:
         for key in ("gpu_us", "host_us"):
             theirs, ours = record["torch_loop"].get(key), record[backend].get(key)
@@ -175,21 +248,33 @@ def make_experts() -> Experts:
     return bf16
 
 
+def fp8_experts(bf16: Experts) -> Experts:
+    """An FP8 copy of the bf16 experts (quantized on the GPU, as a load-time hook would)."""
+    fp8 = Experts(EXPERTS, HIDDEN, INTER).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        fp8.gate_up_proj.copy_(bf16.gate_up_proj)
+        fp8.down_proj.copy_(bf16.down_proj)
+    fp8.quantize_fp8()
+    return fp8
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 512, 8192])
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--fp8", action="store_true", help="FP8 experts side by side with bf16 (triton)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     experts = make_experts()
+    fp8 = fp8_experts(experts) if args.fp8 else None
     records = []
     for tokens in args.tokens:
         records.append(bench_routing(tokens))
         print(json.dumps(records[-1]), flush=True)
     for tokens in args.tokens:
-        records.append(bench_experts(tokens, experts, not args.no_sweep))
+        records.append(bench_experts(tokens, experts, not args.no_sweep, fp8))
         print(json.dumps(records[-1]), flush=True)
     write_json(args.json, "bench_moe.json", {"device": torch.cuda.get_device_name(), "records": records})
     print("\nrouting: tokens | fused gpu/graph/host us | torch reference | transformers ops | ids equal")
@@ -208,6 +293,25 @@ def main() -> None:
                 err = t.get("error")
                 cells.append(f"{times}, {err:.1e}" if isinstance(err, float) else f"{times}, {err}")
             print(f"{r['tokens']:6d} | {r['floor_us']} | " + " | ".join(cells))
+    if args.fp8:
+        print(
+            "\nFP8 experts: tokens | bf16 floor us | bf16 triton gpu/graph/host us | fp8 floor us | fp8 triton "
+            "gpu/graph/host us | graph speedup | err vs bf16 oracle | err vs dequantized"
+        )
+        for r in records:
+            if r["part"] == "experts":
+                bf16, fp8_record = r["triton"], r["fp8_triton"]
+                cells = ["/".join(str(t.get(k)) for k in ("gpu_us", "graph_us", "host_us")) for t in (bf16, fp8_record)]
+                errors = [fp8_record.get(k) for k in ("error", "error_vs_dequantized")]
+                errors = " | ".join(f"{e:.1e}" if isinstance(e, float) else str(e) for e in errors)
+                print(
+                    f"{r['tokens']:6d} | {r['floor_us']} | {cells[0]} | {r.get('fp8_floor_us')} | {cells[1]} | "
+                    f"{r.get('fp8_speedup_vs_bf16_triton_graph')} | {errors}"
+                )
+                timed = [e for e in r.get("fp8_triton_sweep", []) if isinstance(e.get("graph_us"), float)]
+                if timed:
+                    best = min(timed, key=lambda e: e["graph_us"])
+                    print(f"{'':6s}   fastest FP8 sweep block shape (graph): {best['config']} {best['graph_us']} us")
 
 
 if __name__ == "__main__":

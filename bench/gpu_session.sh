@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/benchmarks.md, in as few device calls as possible:
 #
-#     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase graph_steps yoco tune_norm moe serving
-#                                              serving_ab serving_ref profile mtp mm)
+#     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase graph_steps yoco tune_norm moe moe_fp8
+#                                              serving serving_ab serving_ref profile mtp mm)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
 # serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
@@ -112,6 +112,11 @@ stage_tune_norm() {  # warps of the residual add + norm kernel
 
 stage_moe() {
     timeout 240 python3 bench/bench_moe.py --json "$RESULTS/moe.json"
+}
+
+stage_moe_fp8() {  # 26B-A4B's FP8 experts beside bf16 at decode sizes and a prefill; MOE_SWEEP="" sweeps blocks
+    timeout ${MOE_TIMEOUT:-300} python3 bench/bench_moe.py --fp8 --tokens ${MOE_TOKENS:-1 32 7000} \
+        ${MOE_SWEEP---no-sweep} --json "$RESULTS/moe-fp8.json" 2>&1 | sed -n '/^FP8 experts/,$p'
 }
 
 stage_serving() {  # 30 prompts x 7000 input / 10 output tokens at full concurrency, E4B

@@ -13,6 +13,12 @@ columns -> gelu_tanh(gate) * up, stored to `act[slot]` [num_slots, inter].
 Kernel 2, grid (row blocks, cdiv(hidden, BLOCK_N)): act[slot] x down_proj[e] times the slot's routing weight,
 stored to `out[slot]` [num_slots, hidden]; the caller sums the top_k slots of each token.
 Blocks past num_rows return at once: the grid is sized from shapes alone, so nothing is read back to the host.
+
+FP8 weights (W_FP8; `Experts.quantize_fp8`): each float8_e4m3fn tile is upcast to the activations' dtype
+before the dot (exact: every e4m3 value is a bf16 and an fp16 value), and the float32 accumulator's columns
+are multiplied by their output channel's scale in the epilogue: before gelu(gate) * up in kernel 1, before
+the routing weight in kernel 2. x @ (q * s).T == (x @ q.T) * s, so this is the dequantized GEMM with half
+the weight bytes streamed.
 """
 
 from __future__ import annotations
@@ -33,13 +39,19 @@ class ExpertsConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    # (w @ x.T).T instead of x @ w.T: the weight tile becomes the dot's first operand, which Hopper's wgmma may
+    # read from registers, where an upcast FP8 tile is; and its row count (BLOCK_N), not a decode batch's few
+    # rows, fills the MMA's M. An option for the sweeps (bench_moe.py --fp8), off by default.
+    swap_ab: bool = False
 
 
-def default_experts_config(num_slots: int, num_experts: int, on_gpu: bool) -> ExpertsConfig:
+def default_experts_config(num_slots: int, num_experts: int, on_gpu: bool, fp8: bool = False) -> ExpertsConfig:
     """Block shapes by the mean number of slots per expert (decode: ~0 to 2, prefill: hundreds)."""
     if not on_gpu:
         return ExpertsConfig(16, 16, 16, 16, 4, 1)
     per_expert = num_slots / num_experts
+    if per_expert <= 4 and fp8:  # twice the K per tile: as many weight bytes in flight as the bf16 tiles
+        return ExpertsConfig(16, 32, 64, 256, 4, 4)
     if per_expert <= 4:  # weight streaming: many narrow programs keep enough loads in flight
         return ExpertsConfig(16, 32, 64, 128, 4, 4)
     if per_expert <= 64:
@@ -52,6 +64,7 @@ def default_experts_config(num_slots: int, num_experts: int, on_gpu: bool) -> Ex
 def _gate_up_kernel(
     x_ptr,
     w_ptr,
+    scale_ptr,
     act_ptr,
     slot_of_row_ptr,
     block_expert_ptr,
@@ -60,6 +73,7 @@ def _gate_up_kernel(
     stride_x,
     stride_we,
     stride_wn,
+    stride_se,
     stride_act,
     TOP_K: tl.constexpr,
     HIDDEN: tl.constexpr,
@@ -69,6 +83,8 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    W_FP8: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -85,18 +101,34 @@ def _gate_up_kernel(
     # [BLOCK_K, BLOCK_N] tiles of gate rows (0..inter) and up rows (inter..2*inter), transposed by indexing
     gate_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     up_ptrs = gate_ptrs + INTER * stride_wn
-    gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
         k_ok = offs_k < HIDDEN - k0
         x = tl.load(x_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w_ok = k_ok[:, None] & col_ok[None, :]
         w_gate = tl.load(gate_ptrs + k0, mask=w_ok, other=0.0)
         w_up = tl.load(up_ptrs + k0, mask=w_ok, other=0.0)
+        if W_FP8:
+            w_gate, w_up = w_gate.to(x.dtype), w_up.to(x.dtype)
         if UPCAST:
             x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
-        gate = tl.dot(x, w_gate, gate, input_precision=PRECISION)
-        up = tl.dot(x, w_up, up, input_precision=PRECISION)
+        if SWAP_AB:
+            gate = tl.dot(tl.trans(w_gate), tl.trans(x), gate, input_precision=PRECISION)
+            up = tl.dot(tl.trans(w_up), tl.trans(x), up, input_precision=PRECISION)
+        else:
+            gate = tl.dot(x, w_gate, gate, input_precision=PRECISION)
+            up = tl.dot(x, w_up, up, input_precision=PRECISION)
+    if SWAP_AB:
+        gate, up = tl.trans(gate), tl.trans(up)
+    if W_FP8:  # per output channel: gate's columns, then up's (inter further on)
+        scale_ptrs = scale_ptr + expert * stride_se + offs_n
+        gate *= tl.load(scale_ptrs, mask=col_ok, other=0.0)[None, :]
+        up *= tl.load(scale_ptrs + INTER, mask=col_ok, other=0.0)[None, :]
     act = gelu_tanh_f32(gate) * up
     act_ptrs = act_ptr + slots[:, None].to(tl.int64) * stride_act + offs_n[None, :]
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -106,6 +138,7 @@ def _gate_up_kernel(
 def _down_kernel(
     act_ptr,
     w_ptr,
+    scale_ptr,
     out_ptr,
     weights_ptr,
     slot_of_row_ptr,
@@ -115,6 +148,7 @@ def _down_kernel(
     stride_act,
     stride_we,
     stride_wn,
+    stride_se,
     stride_out,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
@@ -123,6 +157,8 @@ def _down_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    W_FP8: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -137,14 +173,26 @@ def _down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     act_ptrs = act_ptr + slots64[:, None] * stride_act + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
         k_ok = offs_k < INTER - k0
         a = tl.load(act_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if W_FP8:
+            w = w.to(a.dtype)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if SWAP_AB:
+            acc = tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    if W_FP8:
+        acc *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=col_ok, other=0.0)[None, :]
     acc = acc * tl.load(weights_ptr + slots64, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + slots64[:, None] * stride_out + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -160,6 +208,18 @@ def _dot_options(x: torch.Tensor) -> dict[str, object]:
     return {"PRECISION": precision, "UPCAST": upcast}
 
 
+def _fp8_options(weight: torch.Tensor, scale: torch.Tensor | None, scale_shape: tuple[int, ...]) -> dict[str, object]:
+    """The kernels' FP8 arguments: the scale tensor (its stride per expert) with W_FP8, or none of it."""
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    if fp8 != (scale is not None):
+        raise ValueError(f"float8_e4m3fn weights come with a scale and 16-bit ones without (got {weight.dtype})")
+    if not fp8:
+        return {"scale_ptr": None, "stride_se": 0, "W_FP8": False}
+    if tuple(scale.shape) != scale_shape or scale.dtype != torch.float32 or scale.stride(-1) != 1:
+        raise ValueError(f"FP8 scale must be float32 {list(scale_shape)} with unit column stride; got {scale.shape}")
+    return {"scale_ptr": scale, "stride_se": scale.stride(0), "W_FP8": True}
+
+
 def grouped_gate_up(
     hidden: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -168,31 +228,35 @@ def grouped_gate_up(
     num_rows: torch.Tensor,
     top_k: int,
     config: ExpertsConfig,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """act [tokens * top_k, inter] = gelu_tanh(x @ gate.T) * (x @ up.T) of each slot's token and expert."""
+    """act [tokens * top_k, inter] = gelu_tanh(x @ gate.T) * (x @ up.T) of each slot's token and expert.
+    FP8 `gate_up_proj` comes with its float32 `scale` [experts, 2 * inter] (w = q * scale[..., None])."""
     tokens, hidden_size = hidden.shape
     inter = gate_up_proj.shape[1] // 2
     num_slots = tokens * top_k
     act = torch.empty(num_slots, inter, dtype=hidden.dtype, device=hidden.device)
     grid = (block_expert.numel(), triton.cdiv(inter, config.block_n_gate_up))
     _gate_up_kernel[grid](
-        hidden,
-        gate_up_proj,
-        act,
-        slot_of_row,
-        block_expert,
-        num_rows,
-        num_slots,
-        hidden.stride(0),
-        gate_up_proj.stride(0),
-        gate_up_proj.stride(1),
-        act.stride(0),
+        x_ptr=hidden,
+        w_ptr=gate_up_proj,
+        act_ptr=act,
+        slot_of_row_ptr=slot_of_row,
+        block_expert_ptr=block_expert,
+        num_rows_ptr=num_rows,
+        num_slots=num_slots,
+        stride_x=hidden.stride(0),
+        stride_we=gate_up_proj.stride(0),
+        stride_wn=gate_up_proj.stride(1),
+        stride_act=act.stride(0),
+        **_fp8_options(gate_up_proj, scale, (gate_up_proj.shape[0], 2 * inter)),
         TOP_K=top_k,
         HIDDEN=hidden_size,
         INTER=inter,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n_gate_up,
         BLOCK_K=config.block_k,
+        SWAP_AB=config.swap_ab,
         **_dot_options(hidden),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
@@ -208,30 +272,34 @@ def grouped_down(
     block_expert: torch.Tensor,
     num_rows: torch.Tensor,
     config: ExpertsConfig,
+    scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out [tokens * top_k, hidden] = (act @ down.T) * routing weight, per slot (weights: float32 [slots])."""
+    """out [tokens * top_k, hidden] = (act @ down.T) * routing weight, per slot (weights: float32 [slots]).
+    FP8 `down_proj` comes with its float32 `scale` [experts, hidden]."""
     num_slots, inter = act.shape
     hidden_size = down_proj.shape[1]
     out = torch.empty(num_slots, hidden_size, dtype=act.dtype, device=act.device)
     grid = (block_expert.numel(), triton.cdiv(hidden_size, config.block_n_down))
     _down_kernel[grid](
-        act,
-        down_proj,
-        out,
-        weights,
-        slot_of_row,
-        block_expert,
-        num_rows,
-        num_slots,
-        act.stride(0),
-        down_proj.stride(0),
-        down_proj.stride(1),
-        out.stride(0),
+        act_ptr=act,
+        w_ptr=down_proj,
+        out_ptr=out,
+        weights_ptr=weights,
+        slot_of_row_ptr=slot_of_row,
+        block_expert_ptr=block_expert,
+        num_rows_ptr=num_rows,
+        num_slots=num_slots,
+        stride_act=act.stride(0),
+        stride_we=down_proj.stride(0),
+        stride_wn=down_proj.stride(1),
+        stride_out=out.stride(0),
+        **_fp8_options(down_proj, scale, tuple(down_proj.shape[:2])),
         HIDDEN=hidden_size,
         INTER=inter,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n_down,
         BLOCK_K=config.block_k,
+        SWAP_AB=config.swap_ab,
         **_dot_options(act),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

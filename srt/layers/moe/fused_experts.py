@@ -11,6 +11,12 @@ token's top_k weighted outputs:
 - "grouped_mm": `torch._grouped_mm` (CUTLASS grouped GEMM, bf16 on Hopper) over the gathered token rows in
   expert order (`ExpertRuns`), gelu * up and the weighting in torch between and after.
 
+FP8 experts (`Experts.quantize_fp8`: float8_e4m3fn weights, float32 scales per output channel) run on "triton"
+only: its kernels upcast each weight tile to the activations' dtype and scale the accumulator's columns in
+the epilogue (weight-only FP8: half the bytes streamed, the same activations). grouped_mm refuses them:
+`torch._scaled_grouped_mm` multiplies FP8 by FP8, which would quantize the activations too (other numerics
+than the dequantized reference), so `default_backend` picks triton when the weights are FP8.
+
 `fused_experts` runs the one asked for, or `default_backend`'s pick, and raises ValueError where neither can
 run (`Experts.forward` calls it only on CUDA or when a backend is forced). The torch loop
 `Experts.forward_reference` stays the CPU path and the oracle of the tests.
@@ -26,6 +32,7 @@ import torch.nn.functional as F
 from srt.kernels.moe import align as align_kernel
 from srt.kernels.moe import experts as experts_kernels
 from srt.layers.graph_mode import in_cuda_graph_step
+from srt.model_loader.fp8 import FP8
 
 BACKENDS = ("triton", "grouped_mm")
 
@@ -89,20 +96,26 @@ def triton_experts(
     weights: torch.Tensor,
     expert_ids: torch.Tensor,
     config: experts_kernels.ExpertsConfig | None = None,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The experts through the two Triton grouped-GEMM kernels."""
+    """The experts through the two Triton grouped-GEMM kernels; with FP8 weights, their float32 scales
+    per output channel (gate_up_scale [experts, 2 * inter], down_scale [experts, hidden])."""
     tokens, top_k = expert_ids.shape
     num_experts = gate_up_proj.shape[0]
     if config is None:
-        config = experts_kernels.default_experts_config(tokens * top_k, num_experts, hidden.is_cuda)
+        config = experts_kernels.default_experts_config(
+            tokens * top_k, num_experts, hidden.is_cuda, fp8=gate_up_proj.dtype == FP8
+        )
     if expert_ids.numel() <= align_kernel.ALIGN_MAX_SLOTS:  # decode sizes: one launch, not ~20
         blocks = ExpertBlocks(*align_kernel.align_slots(expert_ids, num_experts, config.block_m))
     else:
         blocks = pad_to_blocks(sort_by_expert(expert_ids, num_experts), config.block_m)
     hidden, gate_up_proj, down_proj = hidden.contiguous(), gate_up_proj.contiguous(), down_proj.contiguous()
-    act = experts_kernels.grouped_gate_up(hidden, gate_up_proj, *blocks, top_k, config)
+    act = experts_kernels.grouped_gate_up(hidden, gate_up_proj, *blocks, top_k, config, gate_up_scale)
     flat_weights = weights.reshape(-1).float().contiguous()
-    return _combine(experts_kernels.grouped_down(act, down_proj, flat_weights, *blocks, config), tokens, top_k)
+    per_slot = experts_kernels.grouped_down(act, down_proj, flat_weights, *blocks, config, down_scale)
+    return _combine(per_slot, tokens, top_k)
 
 
 def grouped_mm_experts(
@@ -126,10 +139,12 @@ def grouped_mm_experts(
     return _combine(per_slot, tokens, top_k)
 
 
-def grouped_mm_supported(hidden: torch.Tensor) -> bool:
-    """torch._grouped_mm runs bf16 on CUDA devices of compute capability 9.0 and up (Hopper)."""
+def grouped_mm_supported(hidden: torch.Tensor, fp8: bool = False) -> bool:
+    """torch._grouped_mm runs bf16 on CUDA devices of compute capability 9.0 and up (Hopper); not FP8 weights
+    (`fp8`: see the module docstring)."""
     return (
-        hasattr(torch, "_grouped_mm")
+        not fp8
+        and hasattr(torch, "_grouped_mm")
         and hidden.dtype == torch.bfloat16
         and hidden.is_cuda
         and torch.cuda.get_device_capability(hidden.device) >= (9, 0)
@@ -147,14 +162,16 @@ def triton_supported(hidden: torch.Tensor) -> bool:
 GROUPED_MM_MAX_TOKENS = 1024
 
 
-def default_backend(hidden: torch.Tensor) -> str | None:
-    """The fastest backend that runs on `hidden` [tokens, hidden], or None: only the torch loop runs.
+def default_backend(hidden: torch.Tensor, fp8: bool = False) -> str | None:
+    """The fastest backend that runs on `hidden` [tokens, hidden] (with FP8 expert weights if `fp8`), or
+    None: only the torch loop runs.
 
     Eager, grouped_mm's fewer launches win below GROUPED_MM_MAX_TOKENS; in a CUDA-graph step (decode)
     launches cost nothing and triton's kernels are the faster ones at every size (docs/benchmarks.md).
+    FP8 weights run on triton only.
     """
     eager_small = hidden.shape[0] < GROUPED_MM_MAX_TOKENS and not (hidden.is_cuda and in_cuda_graph_step())
-    if grouped_mm_supported(hidden) and (eager_small or not triton_supported(hidden)):
+    if grouped_mm_supported(hidden, fp8) and (eager_small or not triton_supported(hidden)):
         return "grouped_mm"
     if triton_supported(hidden):
         return "triton"
@@ -168,16 +185,28 @@ def fused_experts(
     weights: torch.Tensor,
     expert_ids: torch.Tensor,
     backend: str | None = None,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(gelu_tanh(gate_e(x_t)) * up_e(x_t)), e = expert_ids[t, k]; [tokens, hidden].
 
-    `backend`: "triton", "grouped_mm", or None for `default_backend`. Raises ValueError if none can run.
+    `backend`: "triton", "grouped_mm", or None for `default_backend`. FP8 weights (float8_e4m3fn) come with
+    their float32 per-output-channel scales `gate_up_scale` [experts, 2 * inter] and `down_scale`
+    [experts, hidden]. Raises ValueError if no backend can run.
     """
-    backend = backend or default_backend(hidden)
+    fp8 = gate_up_proj.dtype == FP8
+    if fp8 != (down_proj.dtype == FP8) or fp8 != (gate_up_scale is not None and down_scale is not None):
+        raise ValueError("FP8 experts need both weights in float8_e4m3fn and both scales; 16-bit ones neither")
+    backend = backend or default_backend(hidden, fp8)
     if expert_ids.numel() == 0:
         return torch.zeros_like(hidden)
     if backend == "triton" and triton_supported(hidden):
-        return triton_experts(hidden, gate_up_proj, down_proj, weights, expert_ids)
-    if backend == "grouped_mm" and grouped_mm_supported(hidden):
+        return triton_experts(
+            hidden, gate_up_proj, down_proj, weights, expert_ids, gate_up_scale=gate_up_scale, down_scale=down_scale
+        )
+    if backend == "grouped_mm" and grouped_mm_supported(hidden, fp8):
         return grouped_mm_experts(hidden, gate_up_proj, down_proj, weights, expert_ids)
-    raise ValueError(f"no fused experts backend runs {hidden.dtype} on {hidden.device} (asked for {backend!r})")
+    weight_dtype = "float8_e4m3fn weights" if fp8 else f"{gate_up_proj.dtype} weights"
+    raise ValueError(
+        f"no fused experts backend runs {hidden.dtype} with {weight_dtype} on {hidden.device} (asked for {backend!r})"
+    )
