@@ -18,6 +18,10 @@ MTP speculative decoding (bench/mtp_timing.py: plain decode step, draft round an
 output token with and without the assistant; random weights accept nothing, so simulate an accept length):
     SRT_SIMULATE_ACCEPT_LEN=2.5 python bench/bench_one_batch.py --model-path gemma-4-E4B-it --load-format dummy \
         --speculative-draft-model-path gemma-4-E4B-it-assistant --batch-size 1 32 --input-len 512 --output-len 64
+Tensor parallelism (bench/tp_timing.py: one process per rank, rank 0 reports times, KV pool per rank and the
+all-reduce time of a decode step's message; no floors):
+    python bench/bench_one_batch.py --model-path gemma-4-31B-it --load-format dummy --tp-size 2 --batch-size 1 32 \
+        --input-len 512 --output-len 32
 YOCO fast prefill A/B (prefill of the same prompts with the KV-shared layers on logits rows only, and on every
 row; same weights, the model's YOCO flag flipped between runs; prints both times, their ratio and the ideal
 ratio from layer FLOPs):
@@ -38,6 +42,7 @@ import torch
 from batch_fit import BatchNeed, built_runner, kv_pools, prompt_batch, refuse_unfit, uniform_batch
 from floors import DeviceRates, decode_floor, layer_flops, measure_device_rates, prefill_floor, weight_counts
 from mtp_timing import print_mtp, run_mtp_latency
+from tp_timing import run_tp_latency
 from tqdm import tqdm
 from transformers_baseline import GreedyRun, build_transformers_model, time_transformers
 
@@ -304,6 +309,13 @@ def main() -> None:
             raise SystemExit("--correctness-test needs --prompt-ids-file")
         prompts = json.loads(args.prompt_ids_file.read_text())
     needs = batch_needs(args, prompts)
+    if server_args.tp_size > 1:
+        if args.correctness_test or args.yoco_ab or args.baseline or server_args.speculative_algorithm:
+            raise SystemExit("--tp-size > 1 times plain latency only")
+        vocab = ModelConfig.from_name_or_path(server_args.model_path).vocab_size
+        batches = make_prompts(vocab, args.batch_size, args.input_len)
+        run_tp_latency(server_args, batches, args.output_len, needs, args.json)
+        return
     refuse_unfit(server_args, needs)  # before any weight, pool or device-rate buffer is allocated
     if args.correctness_test:
         output = run_correctness(built_runner(server_args, needs), prompts, args.max_new_tokens)

@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md, in as few device calls as possible:
 #
 #     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase graph_steps yoco tune_norm moe moe_fp8
-#                                              serving serving_ab serving_ref profile mtp mm)
+#                                              serving serving_ab serving_ref profile mtp mm tp tp_serving)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
 # serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
@@ -49,6 +49,36 @@ stage_mtp() {  # MTP: plain decode step vs draft round vs verify step, ms per ou
             --input-len 512 --output-len ${MTP_OUTPUT_LEN:-128} --json "$RESULTS/mtp-$model.json" 2>&1 \
             | grep -E "^batch|Error|error"
     done
+}
+
+stage_tp() {  # #28 on a machine with 2+ GPUs: TP=2 vs TP=1 of 31B, TP=2 of 26B-A4B, TP GPU tests, TP serving
+    nvidia-smi -L
+    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short test/test_tensor_parallel.py \
+        2>&1 | grep -E "rank|^(FAILED|ERROR)|passed|failed"
+    for tp in 1 2; do
+        timeout 400 $BENCH --model-path gemma-4-31B-it --tp-size $tp --batch-size 1 32 --input-len 512 \
+            --output-len 32 --json "$RESULTS/tp$tp-decode-31B.json" 2>&1 | grep -E "^(TP|batch|all-)|Error|error"
+        timeout 300 $BENCH --model-path gemma-4-31B-it --tp-size $tp --batch-size 1 --input-len 7000 \
+            --output-len 2 --json "$RESULTS/tp$tp-prefill-31B.json" 2>&1 | grep -E "^(TP|batch)|Error|error"
+    done
+    timeout 400 $BENCH --model-path gemma-4-26B-A4B-it --tp-size 2 --swa-full-tokens-ratio 1 --batch-size 1 32 \
+        --input-len 512 --output-len 32 --json "$RESULTS/tp2-decode-26B-A4B.json" 2>&1 | grep -E "^(TP|batch|all-)|Error"
+    [ -n "${TP_SERVING:-}" ] && stage_tp_serving
+}
+
+stage_tp_serving() {  # 31B dummy bf16 with --tp-size 2 behind the HTTP server: the chat workload (1000/1000, 32)
+    python3 -m srt.launch_server --model gemma-4-31B-it --load-format dummy --tp-size 2 --port 30000 \
+        --log-interval 5 >"$RESULTS/server-tp2-31B.log" 2>&1 &
+    server=$!
+    for _ in $(seq 300); do
+        curl -sf http://127.0.0.1:30000/health >/dev/null && break
+        sleep 1
+    done
+    timeout ${TP_SERVING_TIMEOUT:-300} python3 bench/bench_serving.py --base-url http://127.0.0.1:30000 --workload chat \
+        --output-json "$RESULTS/serving-tp2-31B-chat.json" | grep -E "throughput|Duration|Successful|TTFT|TPOT"
+    kill -TERM $server
+    wait $server
+    tail -3 "$RESULTS/server-tp2-31B.log"
 }
 
 stage_mm() {  # the vision encoder: one call per image vs one batched call per size bucket (MODELS: E2B 26B-A4B)
