@@ -112,3 +112,13 @@ def test_a_dead_rank_fails_requests_clearly(model) -> None:
         with pytest.raises(RuntimeError, match="scheduler-1 process exited unexpectedly"):
             engine.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)
     _assert_gone(started, 15)
+
+
+def test_mtp_with_two_ranks(model, expected, tiny_checkpoint) -> None:
+    """The assistant's heads split as the target's: its layers read each rank's own KV heads; greedy outputs
+    stay the target's own."""
+    assistant = tiny_checkpoint(f"{PRESET}-assistant")
+    with Engine(model_path=str(model), tp_size=2, speculative_draft_model_path=str(assistant), **TP_ARGS) as engine:
+        outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+    assert [out["output_ids"] for out in outputs] == expected
+    assert sum(out["meta_info"]["spec_verify_ct"] for out in outputs) > 0

@@ -14,6 +14,7 @@ sliding-window KV (`DRAFT_EXTRA_SWA_TOKENS`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +48,11 @@ class AssistantConfig:
     def use_centroid_head(self) -> bool:
         """E2B/E4B assistants score only the tokens of the top centroids (`use_ordered_embeddings`)."""
         return bool(self.hf_config.use_ordered_embeddings)
+
+    def for_tensor_parallel(self, rank: int, size: int) -> AssistantConfig:
+        """The assistant as rank `rank` of `size` holds it: its query heads split as the target's (so they read
+        the target's KV heads of this rank), its MLP width split; its token table (the LM head) whole."""
+        return dataclasses.replace(self, text=self.text.for_tensor_parallel(rank, size))
 
     @classmethod
     def for_target(cls, hf_config: Gemma4AssistantConfig, target: ModelConfig, name: str = "") -> AssistantConfig:

@@ -6,7 +6,8 @@
     o_proj, down_proj                   [out, in]   this rank's columns (row-parallel: outputs summed)
     experts.gate_up_proj                [E, 2I, H]  this rank's gate rows and its up rows, each expert
     experts.down_proj                   [E, H, I]   this rank's columns, each expert
-    embed_tokens, embed_tokens_per_layer, lm_head   this rank's vocabulary rows (the last rank's padded)
+    embed_tokens, embed_tokens_per_layer, lm_head   this rank's vocabulary rows (the last rank's padded);
+                                        an MTP assistant's table (its LM head) whole
     everything else (norms, router, per-layer gate/projection, vision tower)   whole, on every rank
 """
 
@@ -16,6 +17,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from srt.configs.assistant_config import ASSISTANT_MODEL_TYPE
 from srt.configs.model_config import ModelConfig, kv_heads_of_rank
 
 _COLUMN = ("self_attn.q_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight")
@@ -45,7 +47,7 @@ def shard_of(param: str, shape: list[int], config: ModelConfig) -> Shard | None:
     rank, size = config.tp_rank, config.tp_size
     if size == 1 or not (param.startswith("model.") or param.startswith("lm_head")):
         return None  # the vision tower and embedder (`vision_tower.*`, `embed_vision.*`) are replicated
-    if param in _VOCAB:
+    if param in _VOCAB and config.model_type != ASSISTANT_MODEL_TYPE:  # an assistant's table stays whole
         rows = config.vocab_part(shape[0])
         return Shard(0, (range(rank * rows, min((rank + 1) * rows, shape[0])),), rows)
     if param.endswith(_COLUMN):

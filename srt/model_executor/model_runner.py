@@ -61,6 +61,7 @@ class ModelRunner:
         self.device = tp.device if tp is not None else resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
         self.model_config = model_config or ModelConfig.from_name_or_path(server_args.model_path)
+        whole_model_config = self.model_config
         if tp is not None:
             self.model_config = self.model_config.for_tensor_parallel(tp.place.rank, tp.place.size)
         load_format = resolve_load_format(server_args)
@@ -79,11 +80,13 @@ class ModelRunner:
         if server_args.speculative_algorithm == "FROZEN_KV_MTP":
             assistant = load_assistant(
                 server_args.speculative_draft_model_path,
-                self.model_config,
+                whole_model_config,
                 load_format,
                 self.dtype,
                 self.device,
                 seed=server_args.seed,
+                tp_rank=tp.place.rank if tp is not None else 0,
+                tp_size=tp.place.size if tp is not None else 1,
             )
             self.drafter = FrozenKVDrafter(assistant, self.model, server_args.speculative_num_steps)
         self.context_len = server_args.context_length or self.model_config.context_len

@@ -19,12 +19,17 @@ def load_assistant(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    tp_rank: int = 0,
+    tp_size: int = 1,
 ) -> Gemma4AssistantForCausalLM:
     """The assistant of `draft_model_path` (a directory, or an assistant preset with `dummy`), checked to fit
-    `target` first: a mismatched pair fails here, with one ValueError, before any weight is read."""
+    `target` (the whole target, not a rank's shard) first: a mismatched pair fails here, with one ValueError,
+    before any weight is read. Under tensor parallelism, rank `tp_rank`'s shard of it."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}")
     config = AssistantConfig.for_target(load_assistant_hf_config(draft_model_path), target, draft_model_path)
+    if tp_size > 1:
+        config = config.for_tensor_parallel(tp_rank, tp_size)
     with torch.device("meta"):
         model = Gemma4AssistantForCausalLM(config)
     model = model.to(dtype=dtype).to_empty(device=device).eval()
@@ -39,9 +44,11 @@ def load_assistant(
 
 @torch.no_grad()
 def fill_dummy_assistant(model: Gemma4AssistantForCausalLM, seed: int) -> None:
-    """Seeded random weights at the real shapes; norms and scalars 1, the centroid token order a permutation."""
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, tensor in model.state_dict().items():
+    """Seeded random weights at the real shapes; norms and scalars 1, the centroid token order a permutation.
+    Each tensor draws from its own seed, so tensor-parallel ranks agree on the tensors they hold whole."""
+    generator = torch.Generator(device=next(model.parameters()).device)
+    for index, (name, tensor) in enumerate(model.state_dict().items()):
+        generator.manual_seed(seed + index)
         if name.endswith("token_ordering"):
             tensor.copy_(torch.randperm(len(tensor), generator=generator, device=tensor.device))
         elif "norm" in name or name.endswith("layer_scalar"):
