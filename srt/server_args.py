@@ -114,6 +114,11 @@ class ServerArgs:
     allowed_local_media_path: str | None = _arg(
         None, "Directory under which requests may name local image files (file:// URLs or paths); default: none."
     )
+    media_fetch_timeout: float = _arg(
+        10.0,
+        "Seconds an image or video given by an http(s) URL may take to download (encoded size capped at 32 MiB "
+        "for images, 256 MiB for videos); a slower or larger one fails the request with HTTP 400.",
+    )
     # ---- speculative decoding ----
     speculative_algorithm: str | None = _arg(
         None,
@@ -228,6 +233,8 @@ class ServerArgs:
             raise ValueError(f"request_timeout must be > 0; got {self.request_timeout}")
         if self.log_interval < 0:
             raise ValueError(f"log_interval must be >= 0; got {self.log_interval}")
+        if not self.media_fetch_timeout > 0:
+            raise ValueError(f"media_fetch_timeout must be > 0; got {self.media_fetch_timeout}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1; got {self.tp_size}")
         if self.base_gpu_id < 0:

@@ -1,15 +1,19 @@
-"""Images through the HTTP server and the real `openai` client: a base64 data: URL and a local file in chat
-messages give exactly the tokens of the same request run in-process; every bad image answers 400 naming the
+"""Images through the HTTP server and the real `openai` client: a base64 data: URL, a local file and an http URL
+(a loopback file server) in chat messages give exactly the tokens of the same request run in-process; every
+bad image (undecodable, too large, unreachable, 404, endless or slow http answers) answers 400 naming the
 problem, and the server keeps serving. `bench_serving --workload random-mm` runs briefly against the same server,
 checked against the prompt lengths and token counts the server reports."""
 
 from __future__ import annotations
 
 import base64
+import http.server
 import io
 import json
 import subprocess
 import sys
+import threading
+import time
 
 import httpx
 import numpy as np
@@ -33,6 +37,7 @@ from srt.tools.make_checkpoint import make_checkpoint
 
 CONTEXT = 2048
 MAX_TOKENS = 6
+FETCH_TIMEOUT_S = 2
 
 
 def png_bytes(image: Image.Image) -> bytes:
@@ -57,10 +62,54 @@ def media(tmp_path_factory):
     return folder
 
 
+class MediaHandler(http.server.BaseHTTPRequestHandler):
+    """/photo.png: an image; /huge: an endless body; /slow: an image after longer than the fetch timeout."""
+
+    def do_GET(self) -> None:
+        if self.path == "/photo.png":
+            body = self.server.photo
+        elif self.path == "/slow":
+            time.sleep(FETCH_TIMEOUT_S + 1)
+            body = self.server.photo
+        elif self.path == "/huge":
+            self.send_response(200)
+            self.end_headers()
+            try:
+                while True:  # no Content-Length, no end: the fetch must stop at its cap
+                    self.wfile.write(b"\0" * (1 << 20))
+            except OSError:
+                return
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", "image/png")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def media_url(media):
+    """Base URL of a loopback HTTP server of test media."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), MediaHandler)
+    httpd.daemon_threads = True
+    httpd.photo = (media / "photo.png").read_bytes()
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
 @pytest.fixture(scope="module")
 def server(model, media, tmp_path_factory):
     log = tmp_path_factory.mktemp("serving-images") / "server.log"
-    server = start_server(model, log, "--context-length", str(CONTEXT), "--allowed-local-media-path", str(media))
+    server = start_server(
+        model, log, "--context-length", str(CONTEXT), "--allowed-local-media-path", str(media),
+        "--media-fetch-timeout", str(FETCH_TIMEOUT_S),
+    )  # fmt: skip
     yield server
     server.stop()
 
@@ -96,16 +145,19 @@ def in_process_text(
     return tokenizer.decode(result.output_ids, skip_special_tokens=True)
 
 
-def test_chat_with_a_data_url_and_a_local_file(client, model, media) -> None:
+def test_chat_with_a_data_url_a_local_file_and_an_http_url(client, model, media, media_url) -> None:
     image = seeded_image(96, 64, seed=1)
     parts = [
         {"type": "text", "text": "What is in"},
         {"type": "image_url", "image_url": {"url": data_url(png_bytes(image))}},
         {"type": "text", "text": "and in"},
         {"type": "image_url", "image_url": {"url": f"file://{media / 'photo.png'}"}},
+        {"type": "text", "text": "and there"},
+        {"type": "image_url", "image_url": {"url": f"{media_url}/photo.png"}},
     ]
-    expected = in_process_text(model, ["What is in", IMAGE, "and in", IMAGE], [image, Image.open(media / "photo.png")])
-    assert chat(client, model, parts) == expected
+    photo = Image.open(media / "photo.png")
+    texts = ["What is in", IMAGE, "and in", IMAGE, "and there", IMAGE]
+    assert chat(client, model, parts) == in_process_text(model, texts, [image, photo, photo])
 
 
 def test_chat_with_a_video_url(client, model) -> None:
@@ -132,7 +184,7 @@ def test_chat_with_a_video_url(client, model) -> None:
         client.chat.completions.create(model=str(model), messages=[{"role": "user", "content": bad}], max_tokens=2)
 
 
-def bad_images(media) -> dict[str, tuple[str, str]]:
+def bad_images(media, media_url) -> dict[str, tuple[str, str]]:
     """name -> (image URL, a phrase the 400 must contain)."""
     good = png_bytes(seeded_image(64, 64, seed=3))
     huge = io.BytesIO()
@@ -143,15 +195,18 @@ def bad_images(media) -> dict[str, tuple[str, str]]:
         "not an image": (data_url(b"this is text, not a picture"), "cannot be decoded"),
         "truncated": (data_url(good[: len(good) // 2]), "cannot be decoded"),
         "too large": (data_url(huge.getvalue()), "too large"),
-        "http url": ("http://127.0.0.1:9/nothing.png", "not supported"),
+        "unreachable host": ("http://127.0.0.1:9/nothing.png", "failed"),
+        "http 404": (f"{media_url}/missing.png", "HTTP 404"),
+        "endless http body": (f"{media_url}/huge", "too large"),
+        "slow http answer": (f"{media_url}/slow", f"longer than {FETCH_TIMEOUT_S} s"),
         "outside the allowed folder": (f"file://{outside}", "outside --allowed-local-media-path"),
         "missing file": (f"file://{media / 'missing.png'}", "does not exist"),
         "bad base64": ("data:image/png;base64,@@@@", "not valid base64"),
     }
 
 
-def test_bad_images_answer_400_and_the_server_keeps_serving(server, client, model, media) -> None:
-    for name, (url, phrase) in bad_images(media).items():
+def test_bad_images_answer_400_and_the_server_keeps_serving(server, client, model, media, media_url) -> None:
+    for name, (url, phrase) in bad_images(media, media_url).items():
         parts = [{"type": "text", "text": "Look"}, {"type": "image_url", "image_url": {"url": url}}]
         with pytest.raises(openai.BadRequestError) as caught:
             chat(client, model, parts)

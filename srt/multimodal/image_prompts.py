@@ -52,17 +52,17 @@ class ImagePrompts:
         if single.text is None:
             raise ValueError("image_data and video_data need a text prompt with a placeholder each (not input_ids)")
         processor = self._image_processor()
-        allowed = self.server_args.allowed_local_media_path
+        allowed, timeout = self.server_args.allowed_local_media_path, self.server_args.media_fetch_timeout
         images = []
         for i, source in enumerate(single.image_data or []):
             try:
-                images.append(load_image(source, allowed))
+                images.append(load_image(source, allowed, timeout))
             except ValueError as error:
                 raise ValueError(f"image_data[{i}]: {error}") from None
         videos = []
         for i, source in enumerate(single.video_data or []):
             try:
-                videos.append(load_video(source, allowed))
+                videos.append(load_video(source, allowed, timeout))
             except ValueError as error:
                 raise ValueError(f"video_data[{i}]: {error}") from None
         return processor.process(single.text, images, add_special_tokens, single.mm_processor_kwargs, videos)

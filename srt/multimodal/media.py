@@ -1,8 +1,9 @@
 """Turning what users send as an image into a PIL image, or a ValueError that names the problem.
 
-Accepted: PIL images, `data:image/...;base64,` URLs, bare base64 strings, and local files (a path or a
-`file://` URL), which must lie under `--allowed-local-media-path`. http(s) URLs are refused: srt fetches
-nothing from the network (yet).
+Accepted: PIL images, `data:image/...;base64,` URLs, bare base64 strings, local files (a path or a `file://`
+URL), which must lie under `--allowed-local-media-path`, and http(s) URLs, fetched within
+`--media-fetch-timeout` seconds and the same size caps as the other sources (the body is read in pieces and the
+fetch stops at the cap, so a huge or endless answer costs no more than the cap).
 
 Videos (`load_video`): the same kinds of sources (`data:video/...` or `data:image/...` URLs) holding an animated
 image (GIF, WebP, APNG: decoded by PIL, the frame rate from the frame durations; other containers such as MP4
@@ -15,6 +16,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -26,9 +30,13 @@ MAX_IMAGE_BYTES = 32 << 20  # an encoded image larger than this is refused befor
 MAX_IMAGE_PIXELS = 64 << 20  # decoded width x height; PIL's own bomb check would only warn below 2x its limit
 MAX_VIDEO_BYTES = 256 << 20  # an encoded video
 MAX_VIDEO_PIXELS = 1 << 30  # decoded frames x width x height (1 GiB of uint8 RGB is 3 GiB)
+DEFAULT_FETCH_TIMEOUT_S = 10.0
+FETCH_PIECE_BYTES = 1 << 16
 
 
-def load_image(source: object, allowed_local_path: str | None = None) -> Image.Image:
+def load_image(
+    source: object, allowed_local_path: str | None = None, fetch_timeout: float = DEFAULT_FETCH_TIMEOUT_S
+) -> Image.Image:
     """The RGB image `source` describes; ValueError naming what is wrong with it."""
     if isinstance(source, Image.Image):
         return _checked(source)
@@ -42,13 +50,15 @@ def load_image(source: object, allowed_local_path: str | None = None) -> Image.I
             raise ValueError("an image data URL must look like data:image/<format>;base64,<data>")
         return _decode(_b64decode(payload))
     if source.startswith(("http://", "https://")):
-        raise ValueError("image URLs over http(s) are not supported; send the image as a data: URL")
+        return _decode(fetch(source, MAX_IMAGE_BYTES, fetch_timeout, "image"))
     if source.startswith("file://") or Path(source).is_absolute():
         return _decode(_read_local(source.removeprefix("file://"), allowed_local_path))
     return _decode(_b64decode(source))
 
 
-def load_video(source: object, allowed_local_path: str | None = None) -> Video:
+def load_video(
+    source: object, allowed_local_path: str | None = None, fetch_timeout: float = DEFAULT_FETCH_TIMEOUT_S
+) -> Video:
     """The video `source` describes; ValueError naming what is wrong with it."""
     if isinstance(source, Video):
         return _checked_video(source)
@@ -58,7 +68,7 @@ def load_video(source: object, allowed_local_path: str | None = None) -> Video:
         frames = source.get("frames")
         if not isinstance(frames, list) or not frames:
             raise ValueError('a video given as an object needs "frames": a non-empty list of images')
-        images = [np.asarray(load_image(frame, allowed_local_path)) for frame in frames]
+        images = [np.asarray(load_image(frame, allowed_local_path, fetch_timeout)) for frame in frames]
         if len({image.shape for image in images}) != 1:
             raise ValueError("the frames of a video must all have the same size")
         fps = source.get("fps")
@@ -75,7 +85,7 @@ def load_video(source: object, allowed_local_path: str | None = None) -> Video:
             raise ValueError("a video data URL must look like data:video/<format>;base64,<data>")
         return _decode_video(_b64decode(payload, MAX_VIDEO_BYTES, "video"))
     if source.startswith(("http://", "https://")):
-        raise ValueError("video URLs over http(s) are not supported; send the video as a data: URL")
+        return _decode_video(fetch(source, MAX_VIDEO_BYTES, fetch_timeout, "video"))
     if source.startswith("file://") or Path(source).is_absolute():
         return _decode_video(_read_local(source.removeprefix("file://"), allowed_local_path, MAX_VIDEO_BYTES))
     return _decode_video(_b64decode(source, MAX_VIDEO_BYTES, "video"))
@@ -123,6 +133,34 @@ def _checked_video(video: Video) -> Video:
     if frames.size // 3 > MAX_VIDEO_PIXELS:
         raise ValueError(f"the video is too large: {frames.shape[0]} frames of {frames.shape[2]}x{frames.shape[1]}")
     return video
+
+
+def fetch(url: str, limit: int, timeout: float, kind: str) -> bytes:
+    """The body of an http(s) GET of `url`: at most `limit` bytes, the whole fetch within `timeout` seconds;
+    ValueError naming the failure (status, timeout, size, unreachable host)."""
+    deadline = time.monotonic() + timeout
+    request = urllib.request.Request(url, headers={"User-Agent": "srt"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            declared = response.headers.get("Content-Length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise ValueError(f"the {kind} at {url} is too large: {declared} bytes, more than {limit}")
+            pieces, size = [], 0
+            while piece := response.read(FETCH_PIECE_BYTES):
+                size += len(piece)
+                if size > limit:
+                    raise ValueError(f"the {kind} at {url} is too large: more than {limit} bytes")
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                pieces.append(piece)
+    except urllib.error.HTTPError as error:
+        raise ValueError(f"fetching the {kind} at {url} failed: HTTP {error.code}") from None
+    except TimeoutError:
+        raise ValueError(f"fetching the {kind} at {url} took longer than {timeout:g} s") from None
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise ValueError(f"fetching the {kind} at {url} failed: {reason}") from None
+    return b"".join(pieces)
 
 
 def _b64decode(payload: str, limit: int = MAX_IMAGE_BYTES, kind: str = "image") -> bytes:
