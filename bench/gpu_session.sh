@@ -2,7 +2,7 @@
 # The GPU figures of docs/benchmarks.md, in as few device calls as possible:
 #
 #     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase graph_steps yoco tune_norm moe moe_fp8
-#                                              serving serving_ab serving_ref profile mtp mm tp tp_serving)
+#                                              serving serving_ab serving_ref profile mtp mm tp tp_serving grammar)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
 # serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
@@ -79,6 +79,11 @@ stage_tp_serving() {  # 31B dummy bf16 with --tp-size 2 behind the HTTP server: 
     kill -TERM $server
     wait $server
     tail -3 "$RESULTS/server-tp2-31B.log"
+}
+
+stage_grammar() {  # #25: 32 json_schema requests vs 32 free ones, decode step overhead (E4B dummy)
+    timeout 300 python3 bench/bench_grammar.py --model-path gemma-4-E4B-it --load-format dummy --batch-size 32 \
+        --output-len 64 --json "$RESULTS/grammar-E4B.json" 2>&1 | grep -E "batch|overhead|Error"
 }
 
 stage_mm() {  # the vision encoder: one call per image vs one batched call per size bucket (MODELS: E2B 26B-A4B)
