@@ -2,7 +2,8 @@
 # The GPU figures of docs/benchmarks.md, in as few device calls as possible:
 #
 #     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase graph_steps yoco tune_norm moe moe_fp8
-#                                              serving serving_ab serving_ref profile mtp mm tp tp_serving grammar)
+#                                              serving serving_ab serving_ref profile mtp mm grammar tp tp_tests
+#                                              tp_decode tp_prefill tp_serving)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
 # serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
@@ -51,19 +52,33 @@ stage_mtp() {  # MTP: plain decode step vs draft round vs verify step, ms per ou
     done
 }
 
-stage_tp() {  # #28 on a machine with 2+ GPUs: TP=2 vs TP=1 of 31B, TP=2 of 26B-A4B, TP GPU tests, TP serving
+stage_tp() {  # #28 on a machine with 2+ GPUs: all of the parts below (TP_SERVING=1 adds tp_serving)
+    stage_tp_tests
+    stage_tp_decode
+    stage_tp_prefill
+    [ -n "${TP_SERVING:-}" ] && stage_tp_serving
+}
+
+stage_tp_tests() {  # the tiny variants on two GPUs vs one (bf16, NCCL, CUDA graphs)
     nvidia-smi -L
-    timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider --tb=short test/test_tensor_parallel.py \
-        2>&1 | grep -E "rank|^(FAILED|ERROR)|passed|failed"
+    timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider --tb=short test/test_tensor_parallel.py \
+        2>&1 | grep -E "rank|^(FAILED|ERROR)|passed|failed|Error"
+}
+
+stage_tp_decode() {  # 31B TP=1 vs TP=2, decode batch 1 and 32 at 512 tokens; 26B-A4B TP=2 (TP_MODELS overrides)
+    for run in ${TP_RUNS:-31B:1 31B:2 26B-A4B:2}; do
+        model=${run%%:*} tp=${run##*:}
+        extra="" && [ "$model" = 26B-A4B ] && extra="--swa-full-tokens-ratio 1"
+        timeout 300 $BENCH --model-path gemma-4-$model-it --tp-size $tp $extra --batch-size 1 32 --input-len 512 \
+            --output-len 32 --json "$RESULTS/tp$tp-decode-$model.json" 2>&1 | grep -E "^(TP|batch|all-|KV)|Error|error"
+    done
+}
+
+stage_tp_prefill() {  # 31B prefill 1 x 7000, TP=1 vs TP=2
     for tp in 1 2; do
-        timeout 400 $BENCH --model-path gemma-4-31B-it --tp-size $tp --batch-size 1 32 --input-len 512 \
-            --output-len 32 --json "$RESULTS/tp$tp-decode-31B.json" 2>&1 | grep -E "^(TP|batch|all-)|Error|error"
-        timeout 300 $BENCH --model-path gemma-4-31B-it --tp-size $tp --batch-size 1 --input-len 7000 \
+        timeout 240 $BENCH --model-path gemma-4-31B-it --tp-size $tp --batch-size 1 --input-len 7000 \
             --output-len 2 --json "$RESULTS/tp$tp-prefill-31B.json" 2>&1 | grep -E "^(TP|batch)|Error|error"
     done
-    timeout 400 $BENCH --model-path gemma-4-26B-A4B-it --tp-size 2 --swa-full-tokens-ratio 1 --batch-size 1 32 \
-        --input-len 512 --output-len 32 --json "$RESULTS/tp2-decode-26B-A4B.json" 2>&1 | grep -E "^(TP|batch|all-)|Error"
-    [ -n "${TP_SERVING:-}" ] && stage_tp_serving
 }
 
 stage_tp_serving() {  # 31B dummy bf16 with --tp-size 2 behind the HTTP server: the chat workload (1000/1000, 32)
