@@ -9,9 +9,12 @@ computed as two half sums added (`split_sums`) moves them as much (9e-6 on E2B, 
 is the issue's 1e-5 or, where that split alone moves the logits more on this machine, 3x what it moves them;
 a wrong shard (a head or column slice off) moves them by 1e-2 or more. Greedy tokens must be identical.
 
-On two GPUs (marked gpu; needs 2 CUDA devices) the same comparison runs in bfloat16 with NCCL and CUDA graphs
-(decode and token-count graphs capture the all-reduces): greedy tokens identical, logits within bf16 noise
-(BF16_REL_TOL, as test_model_vs_transformers allows bf16 against float32).
+On two GPUs (marked gpu; needs 2 CUDA devices) the comparison runs with NCCL, the Triton kernels and CUDA
+graphs (decode and token-count graphs capture the all-reduces): in float32, greedy tokens identical and logits
+within GPU_FP32_REL_TOL (float32 rounding, amplified as on the CPU); in bfloat16 the prefill's logits within
+bf16 noise (BF16_REL_TOL, as test_model_vs_transformers allows bf16 against float32). Later bf16 steps are not
+compared: on the tiny random models bf16 rounding alone flips greedy tokens within a few steps (measured: E2B's
+6-step logits 0.88 apart once a token differed), after which the two runs decode different sequences.
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ PROMPTS = [[2, 17, 99, 4, 250, 31, 8], [2] + [(13 * i + 5) % 1000 for i in range
 STEPS = 6
 TP_REL_TOL = 1e-5
 BF16_REL_TOL = 3e-2
+GPU_FP32_REL_TOL = 1e-3
 SPLIT_MULTIPLE = 3.0
 
 
 CPU = {"device": "cpu", "dtype": "float32"}
-GPU = {"device": "cuda", "dtype": "bfloat16"}
+GPU_FP32 = {"device": "cuda", "dtype": "float32"}
+GPU_BF16 = {"device": "cuda", "dtype": "bfloat16"}
 
 
 def _args(checkpoint: Path, place: dict[str, str], **extra: object) -> ServerArgs:
@@ -112,17 +117,22 @@ def test_two_ranks_match_one(tiny_checkpoint, two_rank_outputs, monkeypatch, pre
 
 
 @pytest.mark.gpu
-def test_two_gpus_match_one(tiny_checkpoint) -> None:
+@pytest.mark.parametrize("place", [GPU_FP32, GPU_BF16], ids=["float32", "bfloat16"])
+def test_two_gpus_match_one(tiny_checkpoint, place: dict[str, str]) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
     checkpoints = {preset: tiny_checkpoint(preset) for preset in VARIANTS}
-    ranks = run_two_ranks(checkpoints, GPU)
+    ranks = run_two_ranks(checkpoints, place)
+    strict = place["dtype"] == "float32"
     for preset, checkpoint in checkpoints.items():
-        alone = generate_greedy(ModelRunner(_args(checkpoint, GPU)), PROMPTS, STEPS)
+        alone = generate_greedy(ModelRunner(_args(checkpoint, place)), PROMPTS, STEPS)
         plain = torch.stack(alone.step_logits).float().cpu()
         for rank in range(2):
             output_ids, logits = ranks[preset, rank]
-            moved = _relative_rms(logits, plain)
-            print(f"{preset} rank {rank} (GPU, bf16): relative RMS {moved:.1e} from one GPU")
-            assert output_ids == alone.output_ids, f"{preset} rank {rank}"
-            assert moved <= BF16_REL_TOL, f"{preset} rank {rank}: {moved:.2e} from one GPU"
+            if strict:
+                moved, bound = _relative_rms(logits, plain), GPU_FP32_REL_TOL
+                assert output_ids == alone.output_ids, f"{preset} rank {rank}"
+            else:  # the prefill step only (module docstring)
+                moved, bound = _relative_rms(logits[0], plain[0]), BF16_REL_TOL
+            print(f"{preset} rank {rank} (GPU, {place['dtype']}): relative RMS {moved:.1e} from one GPU")
+            assert moved <= bound, f"{preset} rank {rank}: {moved:.2e} from one GPU"
