@@ -11,10 +11,11 @@ a wrong shard (a head or column slice off) moves them by 1e-2 or more. Greedy to
 
 On two GPUs (marked gpu; needs 2 CUDA devices) the comparison runs with NCCL, the Triton kernels and CUDA
 graphs (decode and token-count graphs capture the all-reduces): in float32, greedy tokens identical and logits
-within GPU_FP32_REL_TOL (float32 rounding, amplified as on the CPU); in bfloat16 the prefill's logits within
-bf16 noise (BF16_REL_TOL, as test_model_vs_transformers allows bf16 against float32). Later bf16 steps are not
-compared: on the tiny random models bf16 rounding alone flips greedy tokens within a few steps (measured: E2B's
-6-step logits 0.88 apart once a token differed), after which the two runs decode different sequences.
+within GPU_FP32_REL_TOL (float32 rounding, amplified as on the CPU: 4e-6 to 6e-5 measured on two H200s); in
+bfloat16 the prefill's logits within bf16 noise: no further from one GPU's than 3x what bf16 itself moves them
+from float32 on one GPU, or BF16_REL_TOL where that is less. The tiny random models amplify rounding ~100x
+(E2B's bf16 prefill logits measured 0.18 apart across TP=1 / TP=2), and later bf16 steps are not compared: bf16
+rounding alone flips their greedy tokens within a few steps, after which the runs decode different sequences.
 """
 
 from __future__ import annotations
@@ -127,12 +128,16 @@ def test_two_gpus_match_one(tiny_checkpoint, place: dict[str, str]) -> None:
     for preset, checkpoint in checkpoints.items():
         alone = generate_greedy(ModelRunner(_args(checkpoint, place)), PROMPTS, STEPS)
         plain = torch.stack(alone.step_logits).float().cpu()
+        if not strict:  # what bf16 itself does to this model's prefill logits
+            fp32 = generate_greedy(ModelRunner(_args(checkpoint, GPU_FP32)), PROMPTS, 1).step_logits[0].cpu()
+            bound = max(BF16_REL_TOL, SPLIT_MULTIPLE * _relative_rms(plain[0], fp32))
         for rank in range(2):
             output_ids, logits = ranks[preset, rank]
             if strict:
                 moved, bound = _relative_rms(logits, plain), GPU_FP32_REL_TOL
                 assert output_ids == alone.output_ids, f"{preset} rank {rank}"
             else:  # the prefill step only (module docstring)
-                moved, bound = _relative_rms(logits[0], plain[0]), BF16_REL_TOL
-            print(f"{preset} rank {rank} (GPU, {place['dtype']}): relative RMS {moved:.1e} from one GPU")
+                moved = _relative_rms(logits[0], plain[0])
+            what = f"{preset} rank {rank} (GPU, {place['dtype']})"
+            print(f"{what}: relative RMS {moved:.1e} from one GPU (bound {bound:.1e})")
             assert moved <= bound, f"{preset} rank {rank}: {moved:.2e} from one GPU"
