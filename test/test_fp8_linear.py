@@ -11,14 +11,8 @@ import torch.nn.functional as F
 from test_scheduler import greedy, make_scheduler, prompts
 from torch import nn
 
-from srt.layers.fp8_linear import (
-    Fp8Linear,
-    dequantize_activations,
-    fp8_linear,
-    quantize_activations,
-    scaled_mm_applies,
-    stack_fp8,
-)
+from srt.kernels.fp8_quant import quantize_fp8_reference
+from srt.layers.fp8_linear import Fp8Linear, dequantize_activations, fp8_linear, scaled_mm_applies, stack_fp8
 from srt.layers.linear import stack_linears
 from srt.managers.inprocess import run_to_completion
 from srt.model_loader.fp8 import Fp8Scheme, quantize
@@ -30,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def fp8_layer(n: int, k: int, strategy: str, device: str = "cpu", seed: int = 0) -> Fp8Linear:
-    weight = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k**0.5
+    weight = torch.randn(n, k, generator=torch.Generator(device).manual_seed(seed), device=device) / k**0.5
     q, scale = quantize(weight, Fp8Scheme(strategy))
     layer = Fp8Linear(k, n, None if strategy == "channel" else (128, 128), device=device)
     layer.weight.copy_(q)
@@ -80,7 +74,7 @@ def test_activation_quantization_reference_is_bounded(group: int | None) -> None
     """e4m3 keeps 4 significant bits: each value within 2^-4 of itself, or half a subnormal step (scale *
     2^-10) below the normal range; per token ([T, 1] scales) or per token and 128-column group."""
     x = torch.randn(7, 300) * torch.logspace(-3, 1, 300)  # columns of very different sizes
-    q, scale = quantize_activations(x, group)
+    q, scale = quantize_fp8_reference(x, group)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == ((7, 1) if group is None else (7, 3))
     back = dequantize_activations(q, scale, group)
     step = scale.repeat_interleave(group or 300, dim=1)[:, :300] * 2**-10
@@ -193,7 +187,7 @@ def test_prefill_gemms_at_real_shapes(strategy: str) -> None:
         assert out.dtype == torch.bfloat16 and out.shape == (512, n)
         if strategy == "channel":
             assert scaled_mm_applies(x, layer)
-            emulated = F.linear(dequantize_activations(*quantize_activations(x)), layer.dequantized(torch.float32))
+            emulated = F.linear(dequantize_activations(*quantize_fp8_reference(x)), layer.dequantized(torch.float32))
             assert relative_error(out, emulated) < 1e-2, (n, k)
             assert relative_error(out, exact) < 0.05, (n, k)
         else:

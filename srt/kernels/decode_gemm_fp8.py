@@ -40,16 +40,16 @@ def _decode_gemm_fp8_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in tl.range(k_start, k_start + k_per_split, BLOCK_K, num_stages=STAGES):
         x = x_desc.load([0, k])
-        dtype = tl.float32 if UPCAST else x.dtype
-        x = x.to(dtype)
-        w = w_desc.load([n0, k]).to(dtype)
+        w = w_desc.load([n0, k]).to(x.dtype)  # exact: e4m3 values are bf16 and fp16 values
+        if UPCAST:
+            x, w = x.to(tl.float32), w.to(tl.float32)
         if PER_CHANNEL:
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PRECISION)
         else:  # this K-step's block scales, one per output column
             scale = tl.load(scale_ptr + offs_n * scale_cols + k // SCALE_K)
             acc += tl.dot(x, tl.trans(w), input_precision=PRECISION) * scale[None, :]
         if GATED:
-            w_up = w_desc.load([up_offset + n0, k]).to(dtype)
+            w_up = w_desc.load([up_offset + n0, k]).to(x.dtype)
             if PER_CHANNEL:
                 acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=PRECISION)
             else:

@@ -15,8 +15,8 @@ GEMMs (`fp8_linear`, what `Fp8Linear.forward` runs; `layers/linear.py` sends dec
 - decode (<= 32 rows, Hopper): the chained Triton GEMM reads the FP8 tiles, upcasts them to the activation
   dtype and applies the scales (per output column in the epilogue, per K-block inside the loop), weight-only:
   half the bytes of a bf16 weight, which is what a memory-bound decode step pays for (`kernels/decode_gemm_fp8.py`);
-- larger on CUDA, per-channel: activations quantized per token (dynamic, absmax / 448), then `torch._scaled_mm`
-  with row-wise scales (FP8 tensor cores);
+- larger on CUDA, per-channel: activations quantized per token (dynamic, absmax / 448; `kernels/fp8_quant.py`),
+  then `torch._scaled_mm` with row-wise scales (FP8 tensor cores);
 - larger on CUDA, block-scaled: the weight dequantized to the activation dtype, then cuBLAS (no block-scaled
   FP8 GEMM yet);
 - elsewhere (CPU, the reference): the weight dequantized to the activation dtype, then the plain product. With
@@ -27,13 +27,14 @@ GEMMs (`fp8_linear`, what `Fp8Linear.forward` runs; `layers/linear.py` sends dec
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt.model_loader.fp8 import FP8, FP8_MAX, Fp8Scheme, quantize
-
-_TINY = torch.finfo(torch.float32).tiny
+from srt.kernels.fp8_quant import quantize_fp8, quantize_fp8_reference
+from srt.model_loader.fp8 import FP8, Fp8Scheme, quantize
 
 
 class Fp8Linear(nn.Module):
@@ -84,8 +85,12 @@ class Fp8Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The [N, K] weight weight * scale in `dtype` (rounded once, from float32)."""
-        scale = self.weight_scale.repeat_interleave(self.block_k, dim=1)[:, : self.in_features]
-        return (self.weight.float() * scale).to(dtype)
+        if self.block is None:
+            return (self.weight.float() * self.weight_scale).to(dtype)
+        n, k = self.weight.shape
+        blocks, width = self.weight_scale.shape[1], self.block_k
+        weight = F.pad(self.weight.float(), (0, blocks * width - k)).view(n, blocks, width)
+        return (weight * self.weight_scale[:, :, None]).view(n, blocks * width)[:, :k].to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return fp8_linear(x, self)
@@ -104,35 +109,26 @@ def stack_fp8(*linears: Fp8Linear) -> Fp8Linear:
     return stacked
 
 
-def quantize_activations(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn x, float32 scale) with x ~ x_q * scale: one scale per row ([T, 1], `group` None) or per row
-    and `group` columns ([T, ceil(K / group)]); scale = absmax / 448 (dynamic, as the checkpoints' configs say)."""
-    rows, k = x.shape
-    if group is None:
-        scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=_TINY)
-        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-    groups = -(-k // group)
-    padded = F.pad(x.float(), (0, groups * group - k)).view(rows, groups, group)
-    scale = (padded.abs().amax(dim=2) / FP8_MAX).clamp(min=_TINY)
-    q = (padded / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(rows, groups * group)[:, :k], scale
-
-
 def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, group: int | None = None) -> torch.Tensor:
-    """float32 q * scale of `quantize_activations(x, group)`'s output."""
+    """float32 q * scale of `quantize_fp8(x, group)`'s output (`kernels/fp8_quant.py`)."""
     if group is None:
         return q.float() * scale
     return q.float() * scale.repeat_interleave(group, dim=1)[:, : q.shape[1]]
 
 
+@functools.cache
+def _has_fp8_tensor_cores(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def scaled_mm_applies(x: torch.Tensor, layer: Fp8Linear) -> bool:
-    """Whether `fp8_linear` runs torch._scaled_mm: CUDA with FP8 tensor cores (Hopper and later), bf16
+    """Whether `fp8_linear` runs torch._scaled_mm: CUDA with FP8 tensor cores (Ada, Hopper and later), bf16
     activations, per-channel scales, K and N multiples of 16."""
     return (
         x.is_cuda
         and layer.block is None
         and x.dtype == torch.bfloat16
-        and torch.cuda.get_device_capability(x.device) >= (8, 9)
+        and _has_fp8_tensor_cores(x.device)
         and layer.in_features % 16 == 0
         and layer.out_features % 16 == 0
     )
@@ -141,12 +137,12 @@ def scaled_mm_applies(x: torch.Tensor, layer: Fp8Linear) -> bool:
 def fp8_linear(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
     """x @ w^T in x's dtype for x [T, K] (the routes of the module docstring, decode aside)."""
     if scaled_mm_applies(x, layer):
-        xq, x_scale = quantize_activations(x)
+        xq, x_scale = quantize_fp8(x)
         return torch._scaled_mm(
             xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.weight_scale.view(1, -1), out_dtype=x.dtype
         )
     if layer.emulate_activations:
         group = None if layer.block is None else layer.block_k
-        xq = dequantize_activations(*quantize_activations(x, group), group)
+        xq = dequantize_activations(*quantize_fp8_reference(x, group), group)
         return F.linear(xq, layer.dequantized(torch.float32)).to(x.dtype)
     return F.linear(x, layer.dequantized(x.dtype))

@@ -118,7 +118,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme, dtype: t
 def _tiles(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     out, inp = w.shape
     bo, bi = block
-    padded = torch.zeros(-(-out // bo) * bo, -(-inp // bi) * bi, dtype=w.dtype)
+    padded = torch.zeros(-(-out // bo) * bo, -(-inp // bi) * bi, dtype=w.dtype, device=w.device)
     padded[:out, :inp] = w
     return padded.view(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi).transpose(1, 2)
 
