@@ -20,6 +20,8 @@ from srt.kernels.decode_gemm import ENABLED, GATED, MAX_ROWS, GemmTiles, TensorD
 from srt.kernels.gelu_mul import gelu_tanh_mul_rounded
 from srt.kernels.triton_support import dot_options, has_pdl, jit, pdl_launch, pdl_start, round_to, tl, triton
 
+SMEM_BUDGET = 4 * (MAX_ROWS * 64 * 2 + 2 * 128 * 64 * 2)  # bytes of the bf16 gate_up GEMM's 4 stages
+
 
 @jit
 def _decode_gemm_fp8_kernel(
@@ -67,13 +69,21 @@ def _decode_gemm_fp8_kernel(
     tl.store(out, acc.to(out_dtype), mask=(offs_m < rows)[:, None])
 
 
-def decode_fp8_tiles(splits: int | str, n: int, block_k: int) -> GemmTiles | None:
-    """The bf16 GEMM's tiles for `splits` and width n (`decode_gemm.tiles_for`), or None where their BLOCK_K
-    does not divide the scale blocks' width."""
+def decode_fp8_tiles(splits: int | str, n: int, k: int, block_k: int) -> GemmTiles | None:
+    """The bf16 GEMM's tiles for `splits` and width n (`decode_gemm.tiles_for`) with BLOCK_K doubled where the
+    K-chunks allow it, so that a pipeline stage holds as many weight bytes as the bf16 GEMM's (FP8 tiles are
+    half as big; untuned otherwise); None where BLOCK_K does not divide the scale blocks' width."""
     tiles = tiles_for(splits, n)
-    if tiles is None or block_k % tiles.block_k:
+    if tiles is None:
         return None
-    return tiles
+    chunk = k if splits == GATED else k // splits
+    wide_k = 2 * tiles.block_k
+    if chunk % wide_k == 0 and block_k % wide_k == 0:
+        # shared memory: the stages' x and weight tiles within the bf16 gate_up GEMM's (which compiles), leaving
+        # room for the upcast tiles the tensor cores read
+        stage_bytes = MAX_ROWS * wide_k * 2 + tiles.block_n * wide_k * (2 if splits == GATED else 1)
+        return tiles._replace(block_k=wide_k, stages=min(tiles.stages, SMEM_BUDGET // stage_bytes))
+    return None if block_k % tiles.block_k else tiles
 
 
 def decode_fp8_applies(x: torch.Tensor, weight: torch.Tensor, block_k: int, splits: int | str) -> bool:
@@ -84,7 +94,7 @@ def decode_fp8_applies(x: torch.Tensor, weight: torch.Tensor, block_k: int, spli
         return False
     rows, k = x.shape
     n = weight.shape[0] // 2 if splits == GATED else weight.shape[0]
-    tiles = decode_fp8_tiles(splits, n, block_k)
+    tiles = decode_fp8_tiles(splits, n, k, block_k)
     chunks = 1 if splits == GATED else splits
     return (
         tiles is not None
@@ -110,7 +120,8 @@ def decode_linear_fp8(
     rows, n = x.shape[0], weight.shape[0]
     shape = (rows, n) if splits == 1 else (splits, rows, n)
     out = torch.empty(shape, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-    _launch(x, weight, scale, block_k, out, splits, n, tiles or decode_fp8_tiles(splits, n, block_k), gated=False)
+    tiles = tiles or decode_fp8_tiles(splits, n, x.shape[1], block_k)
+    _launch(x, weight, scale, block_k, out, splits, n, tiles, gated=False)
     return out
 
 
@@ -121,7 +132,7 @@ def decode_gelu_mlp_fp8(
     and scale; call where `decode_fp8_applies(x, weight, block_k, GATED)`."""
     rows, n = x.shape[0], weight.shape[0] // 2
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    _launch(x, weight, scale, block_k, out, 1, n, tiles or decode_fp8_tiles(GATED, n, block_k), gated=True)
+    _launch(x, weight, scale, block_k, out, 1, n, tiles or decode_fp8_tiles(GATED, n, x.shape[1], block_k), gated=True)
     return out
 
 

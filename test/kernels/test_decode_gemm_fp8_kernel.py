@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from srt.kernels.decode_gemm import GATED, GemmTiles
-from srt.kernels.decode_gemm_fp8 import decode_fp8_applies, decode_gelu_mlp_fp8, decode_linear_fp8
+from srt.kernels.decode_gemm import GATED, GemmTiles, tiles_for
+from srt.kernels.decode_gemm_fp8 import decode_fp8_applies, decode_fp8_tiles, decode_gelu_mlp_fp8, decode_linear_fp8
 from srt.kernels.gelu_mul import gelu_tanh_mul_packed
 from srt.kernels.triton_support import kernel_runs_on
 from srt.layers.fp8_linear import Fp8Linear
@@ -52,6 +52,14 @@ def test_never_applies_off_cuda() -> None:
     layer = fp8_layer(256, 256, "channel")
     x = torch.randn(4, 256).bfloat16()
     assert not any(decode_fp8_applies(x, layer.weight, layer.block_k, s) for s in (1, 4, GATED))
+
+
+def test_tiles_take_twice_the_bf16_k_where_chunks_and_scale_blocks_allow() -> None:
+    assert decode_fp8_tiles(4, 2560, 10240, 10240).block_k == 2 * tiles_for(4, 2560).block_k  # E4B down
+    assert decode_fp8_tiles(4, 18432, 5376, 5376) == tiles_for(4, 18432)  # 31B qkv: K-chunks of 1344
+    assert decode_fp8_tiles(4, 2048, 2560, 128) == tiles_for(4, 2048)  # narrow tiles' 128 is the block already
+    assert decode_fp8_tiles(GATED, 10240, 2560, 2560).stages < tiles_for(GATED, 10240).stages  # shared memory
+    assert decode_fp8_tiles(4, 2560, 10240, 32) is None  # scale blocks narrower than a K-step
 
 
 @pytest.mark.parametrize("strategy", ["channel", "block"])
