@@ -12,7 +12,14 @@ from test_scheduler import greedy, make_scheduler, prompts
 from torch import nn
 
 from srt.kernels.fp8_quant import quantize_fp8_reference
-from srt.layers.fp8_linear import Fp8Linear, dequantize_activations, fp8_linear, scaled_mm_applies, stack_fp8
+from srt.layers.fp8_linear import (
+    Fp8Linear,
+    block_gemm_applies,
+    dequantize_activations,
+    fp8_linear,
+    scaled_mm_applies,
+    stack_fp8,
+)
 from srt.layers.linear import stack_linears
 from srt.managers.inprocess import run_to_completion
 from srt.model_loader.fp8 import Fp8Scheme, quantize
@@ -176,20 +183,17 @@ PREFILL_SHAPES = [(20480, 2560), (2560, 10240), (18432, 5376), (5376, 21504)]
 @pytest.mark.gpu
 @pytest.mark.parametrize("strategy", ["channel", "block"])
 def test_prefill_gemms_at_real_shapes(strategy: str) -> None:
-    """Per channel: torch._scaled_mm on per-token FP8 activations against the same W8A8 math in float32 (within
-    bf16 output rounding) and against the 16-bit product (the W8A8 error, a few percent). Per block: the
-    dequantize-then-cuBLAS fallback against the dequantized product."""
+    """torch._scaled_mm on per-token FP8 activations (per channel) and the block-scaled Triton GEMM on per-128-group
+    ones (blocks) against the same W8A8 math in float32 (within bf16 output rounding), and against the 16-bit
+    product (the W8A8 error: a few percent)."""
+    group = None if strategy == "channel" else 128
     for n, k in PREFILL_SHAPES:
         layer = fp8_layer(n, k, strategy, "cuda")
         x = torch.randn(512, k, device="cuda").bfloat16()
-        exact = F.linear(x.float(), layer.dequantized(torch.float32))
+        assert (scaled_mm_applies if strategy == "channel" else block_gemm_applies)(x, layer)
         out = fp8_linear(x, layer)
         assert out.dtype == torch.bfloat16 and out.shape == (512, n)
-        if strategy == "channel":
-            assert scaled_mm_applies(x, layer)
-            emulated = F.linear(dequantize_activations(*quantize_fp8_reference(x)), layer.dequantized(torch.float32))
-            assert relative_error(out, emulated) < 1e-2, (n, k)
-            assert relative_error(out, exact) < 0.05, (n, k)
-        else:
-            assert not scaled_mm_applies(x, layer)
-            assert relative_error(out, exact) < 1e-2, (n, k)
+        weight = layer.dequantized(torch.float32)
+        emulated = F.linear(dequantize_activations(*quantize_fp8_reference(x, group), group), weight)
+        assert relative_error(out, emulated) < 1e-2, (n, k)
+        assert relative_error(out, F.linear(x.float(), weight)) < 0.05, (n, k)

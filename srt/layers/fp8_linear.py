@@ -17,8 +17,8 @@ GEMMs (`fp8_linear`, what `Fp8Linear.forward` runs; `layers/linear.py` sends dec
   half the bytes of a bf16 weight, which is what a memory-bound decode step pays for (`kernels/decode_gemm_fp8.py`);
 - larger on CUDA, per-channel: activations quantized per token (dynamic, absmax / 448; `kernels/fp8_quant.py`),
   then `torch._scaled_mm` with row-wise scales (FP8 tensor cores);
-- larger on CUDA, block-scaled: the weight dequantized to the activation dtype, then cuBLAS (no block-scaled
-  FP8 GEMM yet);
+- larger on CUDA, block-scaled: activations quantized per token and 128-column group, then a Triton GEMM on FP8
+  tensor cores that applies both scales per K-block (`kernels/fp8_block_gemm.py`, untuned);
 - elsewhere (CPU, the reference): the weight dequantized to the activation dtype, then the plain product. With
   `emulate_activations` set, the activations go through the same FP8 quantization the GPU path (and the
   checkpoint's config) uses: per token, or per token and 128-column group for block checkpoints (the test of the
@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt.kernels.fp8_block_gemm import block_fp8_gemm
 from srt.kernels.fp8_quant import quantize_fp8, quantize_fp8_reference
 from srt.model_loader.fp8 import FP8, Fp8Scheme, quantize
 
@@ -134,8 +135,25 @@ def scaled_mm_applies(x: torch.Tensor, layer: Fp8Linear) -> bool:
     )
 
 
+def block_gemm_applies(x: torch.Tensor, layer: Fp8Linear) -> bool:
+    """Whether `fp8_linear` runs the block-scaled Triton GEMM: CUDA with FP8 tensor cores, 16-bit activations,
+    block scales whose width (the activations' group) is a power of two >= 16."""
+    width = layer.block_k
+    return (
+        x.is_cuda
+        and layer.block is not None
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and _has_fp8_tensor_cores(x.device)
+        and width >= 16
+        and width & (width - 1) == 0
+    )
+
+
 def fp8_linear(x: torch.Tensor, layer: Fp8Linear) -> torch.Tensor:
     """x @ w^T in x's dtype for x [T, K] (the routes of the module docstring, decode aside)."""
+    if block_gemm_applies(x, layer):
+        xq, x_scale = quantize_fp8(x, layer.block_k)
+        return block_fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, layer.block_k, x.dtype)
     if scaled_mm_applies(x, layer):
         xq, x_scale = quantize_fp8(x)
         return torch._scaled_mm(
