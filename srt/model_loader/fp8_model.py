@@ -54,6 +54,8 @@ def quantize_model_fp8(model: nn.Module) -> int:
     for module in targets:
         module.quantize_fp8()
     fp8_bytes = sum(m.weight.numel() for m in model.modules() if isinstance(m, Fp8Linear))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the 16-bit weights' memory back to the device, for the KV pools
     logger.info("quantized %d modules to FP8 (%.2f GiB of FP8 projection weights)", len(targets), fp8_bytes / 2**30)
     return len(targets)
 
