@@ -86,8 +86,10 @@ def round_to_e4m3(x):
     cast after it is exact: Triton's CPU interpreter truncates float32 -> float8 casts where the GPU rounds,
     and this keeps the tested path and the GPU path the same code (as `triton_support.round_to` for bf16).
     Normal values keep 3 of float32's 23 mantissa bits; below 2^-6 the grid is 2^-9 (subnormals), which adding
-    and subtracting 1.5 * 2^14 (a float32 ulp of 2^-9 there) rounds to."""
+    and subtracting 1.5 * 2^14 (a float32 ulp of 2^-9 there) rounds |x| to; the sign is put back after (a tiny
+    negative value rounds to -0, as torch's cast)."""
     bits = x.to(tl.uint32, bitcast=True)
     normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-    subnormal = (x + 24576.0) - 24576.0
+    magnitude = (tl.abs(x) + 24576.0) - 24576.0
+    subnormal = tl.where(x < 0, -magnitude, magnitude)
     return tl.where(tl.abs(x) < 0.015625, subnormal, normal.to(tl.float32, bitcast=True))
