@@ -70,7 +70,7 @@ def _quantize_kernel(x_ptr, out_ptr, scale_ptr, k, row_stride, group, groups, fp
         cols = c + tl.arange(0, BLOCK)
         values = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
         absmax = tl.maximum(absmax, tl.abs(values))
-    scale = tl.maximum(tl.max(absmax, axis=0) / fp8_max, tiny)
+    scale = tl.maximum(tl.div_rn(tl.max(absmax, axis=0), fp8_max), tiny)  # IEEE division, as torch's
     tl.store(scale_ptr + row.to(tl.int64) * groups + g, scale)
     out_row = out_ptr + row.to(tl.int64) * k
     for c in range(start, end, BLOCK):
