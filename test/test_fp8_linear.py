@@ -137,6 +137,24 @@ def test_fp8_checkpoint_keeps_fp8_projections_with_the_dequantized_logits(tmp_pa
     assert [kept_out[r].output_ids for r in kept_out] == [reference_out[r].output_ids for r in reference_out]
 
 
+def test_multimodal_fp8_checkpoint_keeps_its_text_projections_in_fp8(tmp_path) -> None:
+    """Published FP8 checkpoints are Gemma4ForConditionalGeneration (text under model.language_model.): the text
+    decoder's projections load as Fp8Linears equal to the dequantized load; the vision tower stays 16-bit."""
+    from srt.configs.model_config import ModelConfig
+    from srt.model_loader.loader import load_model
+
+    path = make_checkpoint("tiny-gemma-4-E4B-it", tmp_path / "mm", multimodal=True, quantize="fp8-block")
+    config, cpu = ModelConfig.from_pretrained(path), torch.device("cpu")
+    kept = load_model(config, path, "safetensors", torch.float32, cpu)
+    reference = load_model(config, path, "safetensors", torch.float32, cpu, dequantize_fp8=True)
+    assert not any(isinstance(m, Fp8Linear) for m in kept.vision_tower.modules())
+    for kept_layer, reference_layer in zip(kept.model.layers, reference.model.layers):
+        for name in ("self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            module = kept_layer.get_submodule(name)
+            assert isinstance(module, Fp8Linear) and module.block == (128, 128), name
+            assert torch.equal(module.dequantized(torch.float32), reference_layer.get_submodule(name).weight), name
+
+
 def test_online_fp8_logit_error_against_16_bits_is_reported_and_bounded(tiny_checkpoint) -> None:
     """`--quantization fp8` on the float32 tiny checkpoint, weight-only (the CPU path) and with activations
     quantized as the GPU's prefill does (W8A8). The tiny random model is chaotic (bf16 rounding alone moves its
