@@ -215,3 +215,12 @@ def test_prefill_gemms_at_real_shapes(strategy: str) -> None:
         emulated = F.linear(dequantize_activations(*quantize_fp8_reference(x, group), group), weight)
         assert relative_error(out, emulated) < 1e-2, (n, k)
         assert relative_error(out, F.linear(x.float(), weight)) < 0.05, (n, k)
+
+
+def test_online_quantization_is_per_channel_and_row_major() -> None:
+    linear = nn.Linear(300, 200, bias=False)
+    linear.weight = nn.Parameter(linear.weight.detach().t().contiguous().t())  # stored transposed, as srt's
+    layer = Fp8Linear.quantized(linear)
+    assert layer.weight.is_contiguous() and layer.weight_scale.shape == (200, 1) and layer.block is None
+    q, scale = quantize(linear.weight.detach(), Fp8Scheme("channel"))  # the checkpoint tool's per-channel scheme
+    assert torch.equal(layer.weight.float(), q.float()) and torch.equal(layer.weight_scale, scale)

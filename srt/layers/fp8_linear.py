@@ -34,8 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt.kernels.fp8_block_gemm import block_fp8_gemm
-from srt.kernels.fp8_quant import quantize_fp8, quantize_fp8_reference
-from srt.model_loader.fp8 import FP8, Fp8Scheme, quantize
+from srt.kernels.fp8_quant import FP8, quantize_fp8, quantize_fp8_reference
 
 
 class Fp8Linear(nn.Module):
@@ -72,9 +71,9 @@ class Fp8Linear(nn.Module):
         """`linear`'s weight quantized per output channel (absmax / 448), on its device (`--quantization fp8`)."""
         weight = linear.weight
         out = cls(weight.shape[1], weight.shape[0], device="meta")
-        q, scale = quantize(weight, Fp8Scheme("channel"))
-        out.weight = nn.Parameter(q.contiguous(), False)
-        out.weight_scale = nn.Parameter(scale.reshape(-1, 1).contiguous(), False)
+        q, scale = quantize_fp8(weight)  # a row's absmax / 448, as for a token's activations
+        out.weight = nn.Parameter(q.contiguous(), False)  # row-major whatever the 16-bit layout was
+        out.weight_scale = nn.Parameter(scale, False)
         return out
 
     def scale_from_checkpoint(self, scale: torch.Tensor) -> torch.Tensor:
