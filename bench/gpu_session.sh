@@ -42,7 +42,7 @@ stage_decode() {  # decode at batch 1 and 32 (512-token context) and the 7000-to
 stage_fp8() {  # bf16 vs --quantization fp8 side by side: decode E4B batch 1 and 32, 31B batch 1 (512-token
     # context), prefill 1 x 7000 of E4B, then the FP8 kernels' GPU tests. FP8_MODELS overrides "E4B:1 32;31B:1";
     # FP8_PARTS (default "decode prefill tests") splits the stage over device calls if it outgrows one.
-    # The printed floors count 16-bit weights; the JSON's weights.model_parameter_bytes has the real ones.
+    # With --quantization fp8 the floors count the dense projections at one byte per weight (MoE experts at 16 bits).
     parts=" ${FP8_PARTS:-decode prefill tests} "
     IFS=';' read -ra runs <<<"${FP8_MODELS:-E4B:1 32;31B:1}"
     [[ $parts == *" decode "* ]] && for run in "${runs[@]}"; do
