@@ -129,12 +129,18 @@ def run_latency(runner: ModelRunner, batches: list[list[list[int]]], output_len:
 
 
 def add_floors(
-    results: list[dict], config: ModelConfig, dtype: torch.dtype, rates: DeviceRates, output_len: int
+    results: list[dict],
+    config: ModelConfig,
+    dtype: torch.dtype,
+    rates: DeviceRates,
+    output_len: int,
+    fp8_projections: bool = False,
 ) -> None:
-    """Each row's prefill and decode floors, and srt / floor (how many times slower than the floor srt is)."""
+    """Each row's prefill and decode floors, and srt / floor (how many times slower than the floor srt is);
+    `fp8_projections` (--quantization fp8): the dense projections' weights count one byte each."""
     for row in results:
-        prefill = prefill_floor(config, dtype, rates, row["batch_size"], row["input_len"])
-        decode = decode_floor(config, dtype, rates, row["batch_size"], row["input_len"], output_len)
+        prefill = prefill_floor(config, dtype, rates, row["batch_size"], row["input_len"], fp8_projections)
+        decode = decode_floor(config, dtype, rates, row["batch_size"], row["input_len"], output_len, fp8_projections)
         row["output_len"] = output_len
         row["prefill_floor"], row["decode_floor"] = prefill.as_json(), decode.as_json()
         row["prefill_over_floor"] = row["prefill_s"] / prefill.seconds
@@ -189,11 +195,15 @@ def run_latency_mode(server_args: ServerArgs, args: argparse.Namespace) -> dict:
     batches = make_prompts(config.vocab_size, args.batch_size, args.input_len)
     latency = run_latency(runner, batches, args.output_len)
     output = latency.output
-    add_floors(output["results"], config, dtype, rates, args.output_len)
+    fp8 = server_args.quantization == "fp8"
+    add_floors(output["results"], config, dtype, rates, args.output_len, fp8)
+    output["quantization"] = server_args.quantization
     output["device_rates"] = rates.as_json()
     output["kv_pools"] = kv_pools(runner)
+    counts = weight_counts(config)
     output["weights"] = {
-        "counted_bytes": weight_counts(config).total * dtype.itemsize,  # what the floors are counted from
+        # what the floors are counted from (FP8 projections: one byte each)
+        "counted_bytes": counts.total * dtype.itemsize - (counts.projections * (dtype.itemsize - 1) if fp8 else 0),
         "model_parameter_bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
     }
     if args.baseline == "transformers":

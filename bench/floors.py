@@ -95,11 +95,18 @@ class WeightCounts(NamedTuple):
     top_k: int
     row: int  # gathered per token: one row of embed_tokens and one of embed_tokens_per_layer
     tables: int  # the embedding tables beyond the tied LM head (only their rows are read)
+    projections: int = 0  # the decoder layers' q/k/v/o and gate/up/down elements (part of dense)
 
     def read(self, tokens: int) -> float:
         """Elements a forward of `tokens` rows reads."""
         experts = expected_distinct_experts(self.num_experts, self.top_k, tokens) if self.moe_layers else 0.0
         return self.dense + self.moe_layers * experts * self.expert + tokens * self.row
+
+    def read_bytes(self, tokens: int, dtype: torch.dtype, fp8_projections: bool = False) -> float:
+        """Bytes a forward of `tokens` rows reads: `read` in `dtype`, the dense projections in one byte each
+        with `fp8_projections` (`--quantization fp8`; their scales are negligible)."""
+        fp8_saving = self.projections * (dtype.itemsize - 1) if fp8_projections else 0
+        return self.read(tokens) * dtype.itemsize - fp8_saving
 
     @property
     def total(self) -> int:
@@ -111,11 +118,13 @@ def weight_counts(config: ModelConfig) -> WeightCounts:
     """Weight elements of the model, from its config."""
     hf = config.hf_text_config
     hidden, ple, layers = hf.hidden_size, hf.hidden_size_per_layer_input or 0, config.num_layers
-    dense = 0
+    dense = projections = 0
     for spec in config.layers:
         q_width, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         kv_projections = 0 if not spec.owns_kv else (1 if spec.k_eq_v else 2)
-        dense += hidden * (2 * q_width + kv_projections * kv_width + 3 * _mlp_width(config, spec.owns_kv) + 2 * ple)
+        layer_projections = hidden * (2 * q_width + kv_projections * kv_width + 3 * _mlp_width(config, spec.owns_kv))
+        projections += layer_projections
+        dense += layer_projections + hidden * 2 * ple
         if config.is_moe:
             dense += hidden * hf.num_experts  # router projection
     dense += hidden * layers * ple  # per_layer_model_projection
@@ -130,6 +139,7 @@ def weight_counts(config: ModelConfig) -> WeightCounts:
         top_k=hf.top_k_experts if config.is_moe else 0,
         row=hidden + layers * ple,
         tables=tables,
+        projections=projections,
     )
 
 
@@ -188,20 +198,31 @@ def _kv_write_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def prefill_floor(
-    config: ModelConfig, dtype: torch.dtype, rates: DeviceRates, batch_size: int, input_len: int
+    config: ModelConfig,
+    dtype: torch.dtype,
+    rates: DeviceRates,
+    batch_size: int,
+    input_len: int,
+    fp8_projections: bool = False,
 ) -> Floor:
     """Floor of one prefill of `batch_size` fresh prompts of `input_len` tokens (logits of each last row)."""
     positions = list(range(input_len))
     yoco_rows = [input_len - 1] if config.first_kv_shared_layer is not None else None
     flops = batch_size * (layer_flops(config, positions, yoco_rows) + _outside_layer_flops(config, input_len, 1))
     tokens = batch_size * input_len
-    nbytes = weight_counts(config).read(tokens) * dtype.itemsize + tokens * _kv_write_bytes(config, dtype)
+    weights = weight_counts(config).read_bytes(tokens, dtype, fp8_projections)
+    nbytes = weights + tokens * _kv_write_bytes(config, dtype)
     # the KV a prompt's queries read back is the KV it just wrote (in L2 or registers for a fused kernel)
     return roofline(flops, nbytes, rates)
 
 
 def decode_step_floor(
-    config: ModelConfig, dtype: torch.dtype, rates: DeviceRates, batch_size: int, context: int
+    config: ModelConfig,
+    dtype: torch.dtype,
+    rates: DeviceRates,
+    batch_size: int,
+    context: int,
+    fp8_projections: bool = False,
 ) -> Floor:
     """Floor of one decode step of `batch_size` requests, each with `context` tokens after the step."""
     flops = batch_size * (layer_flops(config, [context - 1], None) + _outside_layer_flops(config, 1, 1))
@@ -209,18 +230,28 @@ def decode_step_floor(
         layer_kv_bytes(spec, dtype) * (context if spec.sliding_window is None else min(context, spec.sliding_window))
         for spec in config.layers
     )
-    weights = weight_counts(config).read(batch_size) * dtype.itemsize
+    weights = weight_counts(config).read_bytes(batch_size, dtype, fp8_projections)
     return roofline(flops, weights + batch_size * (kv_read + _kv_write_bytes(config, dtype)), rates)
 
 
 def decode_floor(
-    config: ModelConfig, dtype: torch.dtype, rates: DeviceRates, batch_size: int, input_len: int, output_len: int
+    config: ModelConfig,
+    dtype: torch.dtype,
+    rates: DeviceRates,
+    batch_size: int,
+    input_len: int,
+    output_len: int,
+    fp8_projections: bool = False,
 ) -> Floor:
-    """Mean floor of the `output_len` decode steps after a prefill of `input_len` tokens.
+    """Mean floor of the `output_len` decode steps after a prefill of `input_len` tokens (`fp8_projections`: the
+    dense projections' weights read as one byte each).
 
     Decode step s (from 1) feeds the token at position input_len + s - 1, so its queries see input_len + s keys.
     """
-    steps = [decode_step_floor(config, dtype, rates, batch_size, input_len + s) for s in range(1, output_len + 1)]
+    steps = [
+        decode_step_floor(config, dtype, rates, batch_size, input_len + s, fp8_projections)
+        for s in range(1, output_len + 1)
+    ]
     flops = sum(step.flops for step in steps) / len(steps)
     nbytes = sum(step.bytes for step in steps) / len(steps)
     seconds = sum(step.seconds for step in steps) / len(steps)

@@ -10,6 +10,7 @@ from typing import Any
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATIONS = ("fp8",)
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 SPECULATIVE_ALGORITHMS = ("FROZEN_KV_MTP",)
@@ -37,6 +38,19 @@ class ServerArgs:
         "auto", "auto/safetensors: read the checkpoint; dummy: real shapes, seeded random weights.", LOAD_FORMATS
     )
     dtype: str = _arg("auto", "Weight and activation dtype; auto = bfloat16 on GPU, float32 on CPU.", DTYPES)
+    quantization: str | None = _arg(
+        None,
+        "fp8: quantize the decoder's projections (q/k/v/o, gate/up/down; and MoE experts) to FP8 per output channel "
+        "at load time, for a 16-bit checkpoint or dummy weights (SGLang's flag). Embeddings, the per-layer-input "
+        "table and projection, the router, norms and the LM head stay in --dtype. An FP8 checkpoint needs no flag: "
+        "its FP8 projections stay FP8.",
+        QUANTIZATIONS,
+    )
+    dequantize_fp8_weights: bool = _arg(
+        False,
+        "Load an FP8 checkpoint's weights dequantized into --dtype (its 16-bit reference: numerics comparisons, "
+        "A/B runs) instead of keeping the projections in FP8.",
+    )
     device: str = _arg("auto", "Where the model runs; auto = cuda when available, else cpu.", DEVICES)
     seed: int = _arg(0, "Seed of dummy weights and of sampling for requests without their own seed.")
     attention_backend: str = _arg(

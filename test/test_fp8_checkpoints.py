@@ -1,7 +1,7 @@
 """FP8 checkpoints in the compressed-tensors format (#26, the CPU reference path): a tiny checkpoint written per
-channel and in 128 x 128 blocks loads, and srt on it equals transformers on the same weights dequantized (by
-this test's own arithmetic): greedy tokens identical, every prompt and output logprob within 1e-4. Formats srt
-does not load fail with the reason."""
+channel and in 128 x 128 blocks loads (its decoder projections kept in FP8, multiplied weight-only on CPU), and
+srt on it equals transformers on the same weights dequantized (by this test's own arithmetic): greedy tokens
+identical, every prompt and output logprob within 1e-4. Formats srt does not load fail with the reason."""
 
 from __future__ import annotations
 

@@ -67,7 +67,14 @@ class ModelRunner:
         load_format = resolve_load_format(server_args)
         model_path = Path(server_args.model_path) if load_format != "dummy" else None
         self.model = load_model(
-            self.model_config, model_path, load_format, self.dtype, self.device, seed=server_args.seed
+            self.model_config,
+            model_path,
+            load_format,
+            self.dtype,
+            self.device,
+            seed=server_args.seed,
+            quantization=server_args.quantization,
+            dequantize_fp8=server_args.dequantize_fp8_weights,
         )
         if isinstance(self.model, Gemma4ForConditionalGeneration):
             self.model.configure_encoder(

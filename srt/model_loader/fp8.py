@@ -8,8 +8,9 @@ A quantized Linear's checkpoint holds `weight` in float8_e4m3fn and `weight_scal
 Activations are quantized per token ("channel" checkpoints) or per 128-group ("block") at run time, so the
 checkpoint holds no activation scale. `config.json`'s `quantization_config` names the scheme and the modules
 left in 16 bits (`ignore`: names or `re:` patterns). This module reads that config, and quantizes and
-dequantizes weights. Loading dequantizes every FP8 weight into the model's dtype (the reference path: CPU
-tests compare it with transformers on the same dequantized weights); FP8 GEMMs are a later part of #26.
+dequantizes weights. Loading keeps the decoder projections' FP8 weights as `Fp8Linear`s (`fp8_model.py`,
+`layers/fp8_linear.py`) and dequantizes the other FP8 weights into the model's dtype (all of them with
+`dequantize_fp8`, the 16-bit reference).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme, dtype: t
 def _tiles(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     out, inp = w.shape
     bo, bi = block
-    padded = torch.zeros(-(-out // bo) * bo, -(-inp // bi) * bi, dtype=w.dtype)
+    padded = torch.zeros(-(-out // bo) * bo, -(-inp // bi) * bi, dtype=w.dtype, device=w.device)
     padded[:out, :inp] = w
     return padded.view(padded.shape[0] // bo, bo, padded.shape[1] // bi, bi).transpose(1, 2)
 

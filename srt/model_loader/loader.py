@@ -1,7 +1,10 @@
 """Build a Gemma 4 model on a device and fill its weights.
 
 The model is built on the meta device and materialised once on the target device in the target dtype, so
-loading never holds two copies of the weights.
+loading never holds two copies of the weights. An FP8 checkpoint's decoder projections are materialised as
+`Fp8Linear`s and keep their FP8 weights and scales (`fp8_model.use_fp8_projections`; `dequantize_fp8=True`:
+every FP8 weight dequantized into the model's dtype instead, the 16-bit reference). `quantization="fp8"`
+quantizes the loaded model's projections per output channel (`fp8_model.quantize_model_fp8`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from tqdm import tqdm
 
 from srt.configs.model_config import ModelConfig
 from srt.distributed.weight_shards import read_shard, shard_of
-from srt.model_loader.fp8 import FP8, dequantize, scheme_of_checkpoint
+from srt.layers.fp8_linear import Fp8Linear
+from srt.model_loader.fp8 import FP8, Fp8Scheme, dequantize, scheme_of_checkpoint
+from srt.model_loader.fp8_model import QUANTIZATIONS, quantize_model_fp8, use_fp8_projections
 from srt.model_loader.weight_names import AUDIO_PREFIXES, to_param_name
 from srt.models.gemma4 import Gemma4ForCausalLM
 from srt.models.gemma4_mm import Gemma4ForConditionalGeneration
@@ -46,12 +51,35 @@ def safetensors_files(model_path: str | Path) -> list[Path]:
     raise FileNotFoundError(f"no safetensors weights in {path} (looked for model.safetensors[.index.json])")
 
 
-def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> Gemma4ForCausalLM:
-    """An uninitialised model with every parameter allocated on `device` in `dtype`."""
+def build_model(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    fp8_params: set[str] = frozenset(),
+    scheme: Fp8Scheme | None = None,
+) -> Gemma4ForCausalLM:
+    """An uninitialised model with every parameter allocated on `device` in `dtype`; the decoder projections
+    named in `fp8_params` (`NAME.weight`) as Fp8Linears of `scheme` (FP8 weight, float32 scale)."""
     model_class = Gemma4ForConditionalGeneration if config.vision_config is not None else Gemma4ForCausalLM
     with torch.device("meta"):
         model = model_class(config)
-    return model.to(dtype=dtype).to_empty(device=device).eval()
+    model = model.to(dtype=dtype)  # before the FP8 modules join: `to` would cast them too
+    if fp8_params:
+        use_fp8_projections(model, fp8_params, scheme)
+    return model.to_empty(device=device).eval()
+
+
+def fp8_checkpoint_params(config: ModelConfig, model_path: str | Path) -> set[str]:
+    """Parameter names whose checkpoint tensor is float8 (read from the safetensors headers only)."""
+    names = set()
+    for file in safetensors_files(model_path):
+        with safe_open(str(file), framework="pt", device="cpu") as handle:
+            for checkpoint_name in handle.keys():
+                if handle.get_slice(checkpoint_name).get_dtype() == "F8_E4M3":
+                    name = to_param_name(checkpoint_name, config)
+                    if name is not None:
+                        names.add(name)
+    return names
 
 
 def load_model(
@@ -61,18 +89,29 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
+    quantization: str | None = None,
+    dequantize_fp8: bool = False,
 ) -> Gemma4ForCausalLM:
-    """The model with weights from `model_path` (safetensors) or seeded random values (`dummy`)."""
+    """The model with weights from `model_path` (safetensors) or seeded random values (`dummy`). An FP8
+    checkpoint's projections stay FP8 unless `dequantize_fp8`; `quantization="fp8"` quantizes the rest of the
+    projections (all of them for a 16-bit checkpoint) per output channel after loading."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}; got {load_format!r}")
-    model = build_model(config, dtype, device)
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}")
     if load_format == "dummy":
+        model = build_model(config, dtype, device)
         fill_dummy_weights(model, seed)
     else:
         if model_path is None:
             raise ValueError("a checkpoint directory is needed unless load_format is 'dummy'")
+        scheme = scheme_of_checkpoint(model_path)
+        fp8_params = set() if scheme is None or dequantize_fp8 else fp8_checkpoint_params(config, model_path)
+        model = build_model(config, dtype, device, fp8_params, scheme)
         load_safetensors(model, config, model_path)
     model.fuse_projections()
+    if quantization == "fp8":
+        quantize_model_fp8(model)
     return model
 
 
@@ -88,6 +127,7 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
         raise ValueError("FP8 checkpoints with --tp-size > 1 are not supported yet; serve them with --tp-size 1")
     fp8_weights: dict[str, torch.Tensor] = {}  # dequantized once every shard is read (scales may come later)
     fp8_scales: dict[str, torch.Tensor] = {}
+    kept = 0
     files = safetensors_files(model_path)
     handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
     total = sum(len(h.keys()) for h in handles)
@@ -126,12 +166,26 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
             unexpected.append(f"{checkpoint_name} (float8, {what})")
         elif tuple(q.shape) != tuple(state[name].shape):
             mis_shaped.append(f"{checkpoint_name}: {tuple(q.shape)} != {tuple(state[name].shape)}")
+        elif f"{name}_scale" in state:  # an Fp8Linear: the weight as it is, the scale in its row form
+            module = model.get_submodule(name.removesuffix(".weight"))
+            assert isinstance(module, Fp8Linear)
+            row_scale = module.scale_from_checkpoint(scale)
+            if tuple(row_scale.shape) != tuple(state[f"{name}_scale"].shape):
+                mis_shaped.append(f"{checkpoint_name}_scale: {tuple(scale.shape)} (scales of {module.extra_repr()})")
+                continue
+            state[name].copy_(q)
+            state[f"{name}_scale"].copy_(row_scale)
+            loaded.update((name, f"{name}_scale"))
+            kept += 1
         else:
             state[name].copy_(dequantize(q, scale, scheme, state[name].dtype))
             loaded.add(name)
     unexpected += [f"{name}_scale (no float8 weight)" for name in fp8_scales]
     if fp8_weights and scheme is not None:
-        logger.info("dequantized %d FP8 weights (%s) of %s", len(fp8_weights), scheme.strategy, model_path)
+        logger.info(
+            "FP8 weights (%s) of %s: %d kept in FP8, %d dequantized",
+            scheme.strategy, model_path, kept, len(fp8_weights) - kept,
+        )  # fmt: skip
     if audio:
         logger.info("skipped %d audio tensors of %s: srt does not serve audio input yet", audio, model_path)
     missing = sorted(set(state) - loaded)

@@ -3,7 +3,8 @@
 Parameter names are the checkpoint's (`Gemma4ForCausalLM` in models/gemma4.py assembles the model). After
 loading, `fuse_projections` stacks projections that read the same input and stores every projection weight
 transposed; at decode sizes the q/qkv, o and down projections return K-split partial sums that the norm
-kernel after them sums (`layers/linear.py`).
+kernel after them sums (`layers/linear.py`). The projections may be `Fp8Linear`s (FP8 checkpoints, or
+`quantize_fp8` after fusing for `--quantization fp8`); the seam's functions run either kind.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from srt.kernels.per_layer_projection import per_layer_input_projection
 from srt.kernels.qkv_store import QKVLayout, qkv_norm_rope_store
 from srt.kernels.rope import rms_norm_rope
 from srt.layers.attention.base import AttentionBackend
+from srt.layers.fp8_linear import Fp8Linear
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import gelu_mlp, linear_partials, project, stack_linears, store_transposed
 from srt.layers.moe.experts import Experts
@@ -41,7 +43,7 @@ class Gemma4Attention(nn.Module):
         dim, heads, kv_heads = spec.head_dim, spec.num_heads, spec.num_kv_heads
         self.q_proj = nn.Linear(hidden_size, heads * dim, bias=False)
         self.q_norm = RMSNorm(dim, eps=eps)
-        self.qkv_proj: nn.Linear | None = None
+        self.qkv_proj: nn.Linear | Fp8Linear | None = None
         if spec.owns_kv:
             self.k_proj = nn.Linear(hidden_size, kv_heads * dim, bias=False)
             # k_eq_v layers (full layers of 26B/31B) take V from the K projection before its norm and RoPE
@@ -57,6 +59,11 @@ class Gemma4Attention(nn.Module):
         elif not self.spec.owns_kv:
             store_transposed(self.q_proj)
         store_transposed(self.o_proj)
+
+    def quantize_fp8(self) -> None:
+        """Every projection (after `fuse_projections`) in FP8 per output channel; FP8 ones stay as they are."""
+        for name in ("qkv_proj" if self.spec.owns_kv else "q_proj", "o_proj"):
+            setattr(self, name, _quantized(getattr(self, name)))
 
     def forward(
         self,
@@ -91,7 +98,7 @@ class Gemma4Attention(nn.Module):
                 batch.out_cache_loc,
             )
         out = backend.forward(q, self.spec, batch)
-        return reduce_sum(linear_partials(out.reshape(tokens, -1), self.o_proj.weight), self.tp_size)
+        return reduce_sum(linear_partials(out.reshape(tokens, -1), self.o_proj), self.tp_size)
 
 
 class Gemma4MLP(nn.Module):
@@ -104,7 +111,7 @@ class Gemma4MLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.gate_up_proj: nn.Linear | None = None
+        self.gate_up_proj: nn.Linear | Fp8Linear | None = None
 
     def fuse_projections(self) -> None:
         if self.gate_up_proj is None:
@@ -112,10 +119,14 @@ class Gemma4MLP(nn.Module):
             del self.gate_proj, self.up_proj
         store_transposed(self.down_proj)
 
+    def quantize_fp8(self) -> None:
+        """gate_up and down (after `fuse_projections`) in FP8 per output channel; FP8 ones stay as they are."""
+        self.gate_up_proj, self.down_proj = _quantized(self.gate_up_proj), _quantized(self.down_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             raise RuntimeError("Gemma4MLP runs after fuse_projections() (load_model calls it)")
-        return reduce_sum(linear_partials(gelu_mlp(x, self.gate_up_proj), self.down_proj.weight), self.tp_size)
+        return reduce_sum(linear_partials(gelu_mlp(x, self.gate_up_proj), self.down_proj), self.tp_size)
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -186,6 +197,12 @@ class Gemma4DecoderLayer(nn.Module):
             hidden, per_layer_input, self.per_layer_input_gate.weight, self.per_layer_projection.weight
         )
         return add_norm_then_norm(self.post_per_layer_input_norm, projected, hidden, next_norm, self.layer_scalar)
+
+
+def _quantized(linear: nn.Linear | Fp8Linear | None) -> Fp8Linear:
+    if linear is None:
+        raise RuntimeError("quantize_fp8 runs after fuse_projections() (load_model calls both)")
+    return linear if isinstance(linear, Fp8Linear) else Fp8Linear.quantized(linear)
 
 
 def add_norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:

@@ -43,3 +43,37 @@ def test_stacked_and_transposed_weights_give_the_same_products() -> None:
     store_transposed(q)
     assert q.weight.t().is_contiguous() and torch.equal(q.weight, expected_weight)
     torch.testing.assert_close(q(x), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["channel", "block"])
+def test_fp8_projections_through_the_seam_on_gpu(strategy: str) -> None:
+    """E4B's down and gate_up as Fp8Linears: the chained FP8 GEMM's partial sums and gelu * up at decode sizes,
+    the FP8 prefill GEMM's plain product (W8A8: a few percent) above them."""
+    from srt.kernels.decode_gemm import GATED
+    from srt.kernels.decode_gemm_fp8 import decode_fp8_applies
+    from srt.kernels.gelu_mul import gelu_tanh_mul_packed
+    from srt.layers.fp8_linear import Fp8Linear
+    from srt.layers.linear import gelu_mlp
+    from srt.model_loader.fp8 import Fp8Scheme, quantize
+
+    def fp8(n: int, k: int) -> Fp8Linear:
+        q, scale = quantize(torch.randn(n, k, device="cuda") / k**0.5, Fp8Scheme(strategy))
+        layer = Fp8Linear(k, n, None if strategy == "channel" else (128, 128), device="cuda")
+        layer.weight.copy_(q)
+        layer.weight_scale.copy_(layer.scale_from_checkpoint(scale))
+        return layer
+
+    down, gate_up = fp8(2560, 10240), fp8(20480, 2560)
+    for rows in (1, 32, 100):
+        x, h = torch.randn(rows, 10240, device="cuda").bfloat16(), torch.randn(rows, 2560, device="cuda").bfloat16()
+        expected = F.linear(x.float(), down.dequantized(torch.float32))
+        partials = linear_partials(x, down)
+        chained = decode_fp8_applies(x, down.weight, down.block_k, TRITON_SPLITS)
+        assert chained == (rows <= 32) and partials.dim() == (3 if chained else 2), rows  # on Hopper
+        got = sum_partials(partials, torch.bfloat16) if chained else partials
+        bound = 1e-2 if chained else 0.05  # weight-only at decode sizes, W8A8 above
+        assert (got.float() - expected).abs().max() / expected.abs().max() < bound, rows
+        expected = gelu_tanh_mul_packed(F.linear(h.float(), gate_up.dequantized(torch.float32)).bfloat16()).float()
+        error = (gelu_mlp(h, gate_up).float() - expected).abs().max() / expected.abs().max()
+        assert error < (1e-2 if decode_fp8_applies(h, gate_up.weight, gate_up.block_k, GATED) else 0.05), rows
