@@ -91,9 +91,9 @@ def two_rank_outputs(tiny_checkpoint) -> dict[tuple[str, int], tuple[list[list[i
     return run_two_ranks({preset: tiny_checkpoint(preset) for preset in VARIANTS}, CPU)
 
 
-def split_sums(x: torch.Tensor, weight: torch.Tensor, splits: int | None = None) -> torch.Tensor:
+def split_sums(x: torch.Tensor, linear: torch.nn.Linear, splits: int | None = None) -> torch.Tensor:
     """o / down as two ranks compute them: each half of the input dimension's product, then their sum."""
-    half = x.shape[1] // 2
+    half, weight = x.shape[1] // 2, linear.weight
     return F.linear(x[:, :half], weight[:, :half]) + F.linear(x[:, half:], weight[:, half:])
 
 
