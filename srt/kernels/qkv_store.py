@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from srt.kernels.kv_quant import FP8_KV_MAX, is_fp8_kv, to_buffer
 from srt.kernels.norm import rms_norm_reference, sum_partials
 from srt.kernels.rope import norm_rope_head, rms_norm_rope
 from srt.kernels.triton_support import (
@@ -36,7 +37,6 @@ from srt.kernels.triton_support import (
     runs_triton,
     tl,
 )
-from srt.mem_cache.kv_cache_dtype import FP8_KV_MAX, is_fp8_kv, to_buffer
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 
 from srt.configs.model_config import AttentionLayerSpec
+from srt.kernels.kv_quant import is_fp8_kv, to_buffer
 from srt.mem_cache.allocator import SWATokenAllocator, check_indices, debug_kv_indices
-from srt.mem_cache.kv_cache_dtype import UNIT_SCALES, KVScales, as_float32, is_fp8_kv, to_buffer
+from srt.mem_cache.kv_cache_dtype import UNIT_SCALES, KVScales, as_float32
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,10 @@ import torch
 from kernel_inputs import DEVICE, EPS, random_weight
 from kernel_inputs import cos_sin as _cos_sin
 
+from srt.kernels.kv_quant import FP8_KV_DTYPE
 from srt.kernels.norm import sum_partials
 from srt.kernels.qkv_store import QKVLayout, qkv_norm_rope_store, qkv_norm_rope_store_reference
 from srt.kernels.triton_support import jit, round_to_e4m3, tl
-from srt.mem_cache.kv_cache_dtype import FP8_KV_DTYPE
 
 
 class Target(NamedTuple):

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from srt.kernels.attention.paged_kv import LOG2E, dot_precision, kv_slots, row_kv_bounds
-from srt.mem_cache.kv_cache_dtype import is_fp8_kv
+from srt.kernels.kv_quant import is_fp8_kv
 
 
 @dataclass(frozen=True)

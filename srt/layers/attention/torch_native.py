@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from srt.configs.model_config import AttentionLayerSpec
 from srt.forward.forward_batch import ForwardBatch
+from srt.kernels.kv_quant import from_buffer
 from srt.layers.attention.base import AttentionBackend
-from srt.mem_cache.kv_cache_dtype import from_buffer
 
 
 @dataclass(frozen=True)

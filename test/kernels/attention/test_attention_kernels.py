@@ -20,10 +20,11 @@ from srt.configs.model_config import FULL, SLIDING, AttentionLayerSpec
 from srt.forward.forward_batch import ForwardBatch, ForwardMode
 from srt.kernels.attention import decode as decode_kernels
 from srt.kernels.attention.extend import build_extend_tiles
+from srt.kernels.kv_quant import to_buffer
 from srt.layers.attention import create_attention_backend
 from srt.layers.attention.triton_backend import TritonAttentionBackend
 from srt.mem_cache.allocator import SWATokenAllocator
-from srt.mem_cache.kv_cache_dtype import KVScales, to_buffer
+from srt.mem_cache.kv_cache_dtype import KVScales
 from srt.mem_cache.kv_pool import HybridKVPool
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 

@@ -15,8 +15,9 @@ import torch
 from test_attention_kernels import DEVICE, GQA, WINDOW, PagedState, compare_backends, make_layers, requires_cuda
 
 from srt.forward.forward_batch import ForwardMode
+from srt.kernels.kv_quant import FP8_KV_DTYPE
 from srt.layers.attention import create_attention_backend
-from srt.mem_cache.kv_cache_dtype import FP8_KV_DTYPE, KVScales
+from srt.mem_cache.kv_cache_dtype import KVScales
 
 SCALES = {0: KVScales(0.5, 2.0), 1: KVScales(0.125, 0.25)}
 # fp32 queries over the same FP8 values: the kernels scale scores and outputs where the reference scales each
