@@ -203,3 +203,21 @@ def test_mtp_drafts_over_fp8_kv_match_the_reference_backend(tiny_checkpoint, tmp
     runner.kv_pool.check_integrity()
     print(f"E4B MTP drafts over FP8 KV: {drafts}")
     assert drafts["triton"] == drafts["torch_native"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["tiny-gemma-4-E4B-it", "tiny-gemma-4-31B-it"])
+def test_gpu_triton_over_fp8_kv_matches_torch_native(tiny_checkpoint, tmp_path: Path, variant: str) -> None:
+    """On the GPU the fused store kernel writes the FP8 cache with the hardware's e4m3 casts (under both
+    backends: it runs wherever the device is CUDA) and the compiled extend and decode kernels read it, decode
+    through CUDA graphs; in float32 they must give the torch_native reference's greedy tokens and logits."""
+    path = well_conditioned(tiny_checkpoint(variant), tmp_path / variant)
+    runs = {}
+    for backend in ("torch_native", "triton"):
+        runner = runner_for(path, "fp8_e4m3", device="cuda", dtype="float32", attention_backend=backend)
+        runs[backend] = generate_greedy(runner, prompts(runner.model_config.vocab_size), 8)
+        runner.kv_pool.check_integrity()
+        del runner
+    assert runs["triton"].output_ids == runs["torch_native"].output_ids
+    for ours, ref in zip(runs["triton"].step_logits, runs["torch_native"].step_logits, strict=True):
+        torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-3)
