@@ -29,7 +29,9 @@ from srt.entrypoints.launch_server import parse_args
 from srt.forward.forward_batch import ForwardBatch, ForwardMode
 from srt.kernels.kv_quant import FP8_KV_DTYPE
 from srt.layers.attention.triton_backend import TritonAttentionBackend
+from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.kv_cache_dtype import KVScales
+from srt.mem_cache.kv_pool import HybridKVPool
 from srt.mem_cache.memory_plan import count_weight_bytes, plan_memory
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.static_batch import generate_greedy
@@ -221,3 +223,29 @@ def test_gpu_triton_over_fp8_kv_matches_torch_native(tiny_checkpoint, tmp_path: 
     assert runs["triton"].output_ids == runs["torch_native"].output_ids
     for ours, ref in zip(runs["triton"].step_logits, runs["torch_native"].step_logits, strict=True):
         torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-3)
+
+
+def test_pool_takes_scales_only_for_fp8_buffers_and_owning_layers() -> None:
+    config = ModelConfig.from_preset("tiny-gemma-4-E4B-it")
+    allocator = SWATokenAllocator(8, 8, "cpu")
+    shared = next(spec.layer_id for spec in config.layers if not spec.owns_kv)
+    with pytest.raises(ValueError, match="for FP8 KV buffers"):
+        HybridKVPool(config.layers, allocator, torch.float32, "cpu", {0: KVScales(0.5, 0.5)})
+    with pytest.raises(ValueError, match="owns no KV buffers"):
+        HybridKVPool(config.layers, allocator, FP8_KV_DTYPE, "cpu", {shared: KVScales(0.5, 0.5)})
+    with pytest.raises(ValueError, match="finite and > 0"):
+        HybridKVPool(config.layers, allocator, FP8_KV_DTYPE, "cpu", {0: KVScales(0.0, 0.5)})
+    pool = HybridKVPool(config.layers, allocator, FP8_KV_DTYPE, "cpu", {0: KVScales(0.1, 3.0)})
+    assert pool.kv_scales(0) == (float(torch.tensor(0.1)), 3.0)  # held as float32
+    # a write quantizes with the layer's scales and a read dequantizes with them; 1000 saturates at 448 * 0.1
+    k = torch.tensor([[[0.3, -1000.0] * (config.layers[0].head_dim // 2)] * config.layers[0].num_kv_heads])
+    slots = allocator.alloc(1)
+    pool.write(0, slots, k, k)
+    k_buffer, v_buffer = pool.kv_buffers(0)
+    row = int(pool.layer_slots(0, slots))
+    assert k_buffer.dtype == FP8_KV_DTYPE
+    assert k_buffer[row, 0, :2].float().tolist() == [3.0, -448.0] and v_buffer[row, 0, :2].float().tolist() == [
+        0.1015625,
+        -320.0,
+    ]
+    pool.check_integrity()
