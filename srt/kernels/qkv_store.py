@@ -15,7 +15,7 @@ slot): the first `heads` slots are q heads, then `kv_heads` k heads, then `kv_he
 Rounding is that of `rms_norm_rope` (kernels/rope.py): the norm's output is rounded to the
 projection's dtype, RoPE then rounds once from float32; the cache stores that value cast to its dtype, or,
 in FP8 buffers (`--kv-cache-dtype fp8_e4m3`), that value / the layer's scale, clamped to +-448 and rounded to
-float8_e4m3fn (`mem_cache/kv_cache_dtype.py`).
+float8_e4m3fn (`kv_quant.py`; `round_to_e4m3` rounds as torch's cast does, also in the CPU interpreter).
 The reference (`qkv_norm_rope_store_reference`) is the op-by-op path: the CPU path and the oracle.
 """
 
@@ -100,6 +100,9 @@ def _qkv_norm_rope_store_kernel(
             tl.store(v_dst, _to_cache(v, v_scale, v_buffer_ptr.dtype.element_ty, KV_FP8))
 
 
+FP8_MAX = tl.constexpr(FP8_KV_MAX) if tl is not None else FP8_KV_MAX
+
+
 @jit
 def _to_cache(x, scale, cache_dtype, KV_FP8: tl.constexpr):
     """x (float32, rounded to the activation dtype by norm_rope_head) as the cache stores it; FP8: divided by
@@ -107,9 +110,6 @@ def _to_cache(x, scale, cache_dtype, KV_FP8: tl.constexpr):
     if KV_FP8:
         x = round_to_e4m3(tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX))
     return x.to(cache_dtype)
-
-
-FP8_MAX = tl.constexpr(FP8_KV_MAX) if tl is not None else FP8_KV_MAX
 
 
 def qkv_norm_rope_store_reference(
