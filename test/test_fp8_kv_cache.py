@@ -37,6 +37,7 @@ from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.static_batch import generate_greedy
 from srt.server_args import ServerArgs
 from srt.speculative.frozen_kv_mtp import DraftRequests
+from srt.tools import memory_plan as memory_plan_tool
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls run faster on one thread
 
@@ -117,6 +118,12 @@ def test_memory_plan_fits_twice_the_tokens() -> None:
     assert abs(fp8.full_tokens - 2 * bf16.full_tokens) <= 1 and abs(fp8.swa_tokens - 2 * bf16.swa_tokens) <= 2
     assert fp8.kv_budget_bytes == bf16.kv_budget_bytes
     assert "float8_e4m3fn KV" in fp8.summary() and "bfloat16 KV" in bf16.summary()
+    # the memory_plan tool reports it: E4B on 80 GiB at 8192 tokens a request, 144 -> 288 requests at once
+    reports = [memory_plan_tool.build_report("gemma-4-E4B-it", 80, context_len=8192, kv_cache_dtype=kv)
+               for kv in ("auto", "fp8_e4m3")]  # fmt: skip
+    assert [r["kv_cache_dtype"] for r in reports] == ["bfloat16", "float8_e4m3fn"]
+    assert reports[1]["full_pool_tokens"] == fp8.full_tokens
+    assert reports[1]["concurrent_requests"] == 2 * reports[0]["concurrent_requests"]
     # the runner's plan follows the flag
     args = ServerArgs(model_path="tiny-gemma-4-E4B-it", load_format="dummy", kv_cache_dtype="fp8_e4m3")
     runner = ModelRunner(args)
