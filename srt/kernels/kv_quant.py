@@ -30,6 +30,23 @@ def to_buffer(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor
     return quantize_kv(x, scale) if is_fp8_kv(dtype) else x.to(dtype)
 
 
+def write_rows(buffer: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, scale: float) -> None:
+    """buffer[rows] = values as the buffer stores them (`to_buffer`). FP8 rows are written through a uint8 view:
+    torch builds without float8 indexing kernels exist (CUDA's came late), and a byte copy is the same."""
+    stored = to_buffer(values, buffer.dtype, scale)
+    if is_fp8_kv(buffer.dtype):
+        buffer.view(torch.uint8)[rows] = stored.view(torch.uint8)
+    else:
+        buffer[rows] = stored
+
+
+def read_rows(buffer: torch.Tensor, rows: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """buffer[rows] in `dtype` (`from_buffer`), FP8 gathered through a uint8 view as in `write_rows`."""
+    if is_fp8_kv(buffer.dtype):
+        return from_buffer(buffer.view(torch.uint8)[rows].view(buffer.dtype), scale, dtype)
+    return from_buffer(buffer[rows], scale, dtype)
+
+
 def from_buffer(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """KV rows read back in `dtype`: FP8 dequantized (float32 times the scale, then rounded once), else a cast."""
     if is_fp8_kv(stored.dtype):

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.kernels.kv_quant import FP8_KV_MAX, is_fp8_kv, to_buffer
+from srt.kernels.kv_quant import FP8_KV_MAX, is_fp8_kv, write_rows
 from srt.kernels.norm import rms_norm_reference, sum_partials
 from srt.kernels.rope import norm_rope_head, rms_norm_rope
 from srt.kernels.triton_support import (
@@ -137,8 +137,8 @@ def qkv_norm_rope_store_reference(
     v_raw = v_part[0].view(tokens, -1, dim) if v_part else k_raw
     k = rms_norm_rope(k_raw, k_weight, cos, sin, eps, use_triton=False)
     rows = slots if full_to_swa is None else full_to_swa[slots]
-    k_buffer[rows] = to_buffer(k, k_buffer.dtype, k_scale)
-    v_buffer[rows] = to_buffer(rms_norm_reference(v_raw, None, eps).to(q.dtype), v_buffer.dtype, v_scale)
+    write_rows(k_buffer, rows, k, k_scale)
+    write_rows(v_buffer, rows, rms_norm_reference(v_raw, None, eps).to(q.dtype), v_scale)
     return q
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from srt.configs.model_config import AttentionLayerSpec
-from srt.kernels.kv_quant import is_fp8_kv, to_buffer
+from srt.kernels.kv_quant import is_fp8_kv, write_rows
 from srt.mem_cache.allocator import SWATokenAllocator, check_indices, debug_kv_indices
 from srt.mem_cache.kv_cache_dtype import UNIT_SCALES, KVScales, as_float32
 
@@ -51,8 +51,8 @@ class KVCacheTarget:
         """Write K/V of the tokens with these full slots ([tokens, kv_heads, head_dim]) in the buffers' dtype
         (FP8 buffers: quantized with the layer's scales)."""
         rows = self.rows(full_slots)
-        self.k_buffer[rows] = to_buffer(k, self.k_buffer.dtype, self.scales.k)
-        self.v_buffer[rows] = to_buffer(v, self.v_buffer.dtype, self.scales.v)
+        write_rows(self.k_buffer, rows, k, self.scales.k)
+        write_rows(self.v_buffer, rows, v, self.scales.v)
 
 
 class HybridKVPool:
@@ -89,8 +89,14 @@ class HybridKVPool:
         self._v: dict[int, torch.Tensor] = {}
         for spec in self.layers:
             if spec.owns_kv:
-                self._k[spec.layer_id] = torch.zeros(self._buffer_shape(spec), dtype=dtype, device=self.device)
-                self._v[spec.layer_id] = torch.zeros(self._buffer_shape(spec), dtype=dtype, device=self.device)
+                self._k[spec.layer_id] = self._zeros(self._buffer_shape(spec))
+                self._v[spec.layer_id] = self._zeros(self._buffer_shape(spec))
+
+    def _zeros(self, shape: tuple[int, int, int]) -> torch.Tensor:
+        """A zeroed buffer; FP8 ones as zeroed bytes (0x00 is +0.0), which needs no float8 fill kernel."""
+        if is_fp8_kv(self.dtype):
+            return torch.zeros(shape, dtype=torch.uint8, device=self.device).view(self.dtype)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     def _buffer_shape(self, spec: AttentionLayerSpec) -> tuple[int, int, int]:
         """[slots of the layer's pool + padding slot 0, kv_heads, head_dim]."""

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from srt.configs.model_config import AttentionLayerSpec
 from srt.forward.forward_batch import ForwardBatch
-from srt.kernels.kv_quant import from_buffer
+from srt.kernels.kv_quant import read_rows
 from srt.layers.attention.base import AttentionBackend
 
 
@@ -67,8 +67,8 @@ class TorchNativeAttentionBackend(AttentionBackend):
             full_slots = req_to_token[req.req_pool_index, kv_start : req.seq_len].to(torch.int64)
             rows = pool.layer_slots(layer.layer_id, full_slots)
             # [1, kv_heads, kv_len, head_dim] in q's dtype (FP8: dequantized, stored * scale)
-            keys = from_buffer(k_buffer[rows], k_scale, q.dtype).transpose(0, 1).unsqueeze(0)
-            values = from_buffer(v_buffer[rows], v_scale, q.dtype).transpose(0, 1).unsqueeze(0)
+            keys = read_rows(k_buffer, rows, k_scale, q.dtype).transpose(0, 1).unsqueeze(0)
+            values = read_rows(v_buffer, rows, v_scale, q.dtype).transpose(0, 1).unsqueeze(0)
             kv_positions = torch.arange(kv_start, req.seq_len, device=q.device)
             q_positions = req.positions[:, None]
             mask = kv_positions[None, :] <= q_positions
