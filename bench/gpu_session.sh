@@ -3,7 +3,7 @@
 #
 #     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase graph_steps yoco tune_norm moe moe_fp8
 #                                              serving serving_ab serving_ref profile mtp mm grammar tp tp_tests
-#                                              tp_decode tp_prefill tp_serving fp8)
+#                                              tp_decode tp_prefill tp_serving fp8 fp8kv)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
 # serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
@@ -65,6 +65,21 @@ stage_fp8() {  # bf16 vs --quantization fp8 side by side: decode E4B batch 1 and
         test/kernels/test_fp8_quant_kernel.py test/kernels/test_fp8_block_gemm_kernel.py test/test_fp8_linear.py \
         test/layers/test_linear.py" \
         stage_tests
+stage_fp8kv() {  # decode with --kv-cache-dtype auto beside fp8_e4m3, alternated (E4B batch 1 and 32, 512 context)
+    # MODELS (default E4B), FP8KV_BATCH (default "1 32"), FP8KV_ROUNDS (default 2), FP8KV_INPUT_LEN (default 512)
+    for model in ${MODELS:-E4B}; do
+        extra=""
+        [ "$model" = 26B-A4B ] && extra="--swa-full-tokens-ratio 1"
+        for round in $(seq ${FP8KV_ROUNDS:-2}); do
+            for kv in auto fp8_e4m3; do
+                echo "--- $model kv-cache-dtype $kv (round $round)"
+                timeout 240 $BENCH --model-path gemma-4-$model-it $extra --kv-cache-dtype $kv \
+                    --batch-size ${FP8KV_BATCH:-1 32} --input-len ${FP8KV_INPUT_LEN:-512} --output-len 32 \
+                    --json "$RESULTS/fp8kv-$model-$kv-$round.json" 2>&1 \
+                    | grep -E "decode .* ms/step|KV memory|KV pools|Error|error" | grep -v floor
+            done
+        done
+    done
 }
 
 stage_mtp() {  # MTP: plain decode step vs draft round vs verify step, ms per output token, simulated acceptance

@@ -11,6 +11,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATIONS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")  # as mem_cache/kv_cache_dtype.py resolves them (torch: import late)
 ATTENTION_BACKENDS = ("auto", "torch_native", "triton")
 SCHEDULE_POLICIES = ("lpm", "fcfs")
 SPECULATIVE_ALGORITHMS = ("FROZEN_KV_MTP",)
@@ -53,6 +54,13 @@ class ServerArgs:
     )
     device: str = _arg("auto", "Where the model runs; auto = cuda when available, else cpu.", DEVICES)
     seed: int = _arg(0, "Seed of dummy weights and of sampling for requests without their own seed.")
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "What the KV pools store (SGLang's flag): auto = the model's dtype; fp8_e4m3 = float8_e4m3fn with "
+        "float32 per-tensor scales per layer, from the checkpoint's k_scale / v_scale where it has them, else "
+        "1.0: one byte per element, so about twice the tokens of bf16 fit.",
+        KV_CACHE_DTYPES,
+    )
     attention_backend: str = _arg(
         "auto", "Attention kernels; auto = triton on GPU, torch_native (reference) on CPU.", ATTENTION_BACKENDS
     )

@@ -98,9 +98,9 @@ def test_weight_bytes_match_the_materialized_model_with_the_tied_head_counted_on
 def test_concurrency_is_limited_by_the_scarcer_pool() -> None:
     config = ModelConfig.from_preset("tiny-gemma-4-E4B-it")  # sliding window 16
     plan = plan_memory(config, torch.float32, 0, max_total_tokens=1000, swa_full_tokens_ratio=0.1)
-    fit = concurrency(plan, config, torch.float32, context_len=64)
+    fit = concurrency(plan, config, context_len=64)
     assert (fit.requests, fit.limited_by) == (100 // 16, "swa pool")  # full pool alone would allow 15
-    fit = concurrency(plan, config, torch.float32, context_len=8)  # shorter than the window: 8 SWA tokens each
+    fit = concurrency(plan, config, context_len=8)  # shorter than the window: 8 SWA tokens each
     assert (fit.requests, fit.limited_by) == (12, "swa pool")
 
 

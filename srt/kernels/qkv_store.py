@@ -13,7 +13,9 @@ slot): the first `heads` slots are q heads, then `kv_heads` k heads, then `kv_he
     row = slots[token], or full_to_swa[slots[token]] on sliding layers
 
 Rounding is that of `rms_norm_rope` (kernels/rope.py): the norm's output is rounded to the
-projection's dtype, RoPE then rounds once from float32; the cache stores that value cast to its dtype.
+projection's dtype, RoPE then rounds once from float32; the cache stores that value cast to its dtype, or,
+in FP8 buffers (`--kv-cache-dtype fp8_e4m3`), that value / the layer's scale, clamped to +-448 and rounded to
+float8_e4m3fn (`kv_quant.py`; `round_to_e4m3` rounds as torch's cast does, also in the CPU interpreter).
 The reference (`qkv_norm_rope_store_reference`) is the op-by-op path: the CPU path and the oracle.
 """
 
@@ -23,9 +25,18 @@ from dataclasses import dataclass
 
 import torch
 
+from srt.kernels.kv_quant import FP8_KV_MAX, is_fp8_kv, write_rows
 from srt.kernels.norm import rms_norm_reference, sum_partials
 from srt.kernels.rope import norm_rope_head, rms_norm_rope
-from srt.kernels.triton_support import jit, last_dim_contiguous, pdl_launch, pdl_start, runs_triton, tl
+from srt.kernels.triton_support import (
+    jit,
+    last_dim_contiguous,
+    pdl_launch,
+    pdl_start,
+    round_to_e4m3,
+    runs_triton,
+    tl,
+)
 
 
 @dataclass(frozen=True)
@@ -48,9 +59,9 @@ def _qkv_norm_rope_store_kernel(
     qkv_ptr, q_weight_ptr, k_weight_ptr, cos_ptr, sin_ptr, slots_ptr, full_to_swa_ptr,
     q_out_ptr, k_buffer_ptr, v_buffer_ptr,
     stride_split, stride_qkv, stride_cos, stride_sin, stride_q_tok, stride_q_head, stride_k_row, stride_k_head,
-    stride_v_row, stride_v_head, q_eps, k_eps, v_eps,
+    stride_v_row, stride_v_head, q_eps, k_eps, v_eps, k_scale, v_scale,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, K_EQ_V: tl.constexpr,
-    SLIDING: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
+    SLIDING: tl.constexpr, SPLITS: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     pdl_start(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -77,7 +88,7 @@ def _qkv_norm_rope_store_kernel(
                 k_row, stride_split, k_weight_ptr, cos_row, sin_row, k_eps, dtype, HEAD_DIM, True, True, SPLITS
             )
             k_dst = k_buffer_ptr + row * stride_k_row + head * stride_k_head + cols
-            tl.store(k_dst, k.to(k_buffer_ptr.dtype.element_ty))
+            tl.store(k_dst, _to_cache(k, k_scale, k_buffer_ptr.dtype.element_ty, KV_FP8))
         else:
             head = slot - NUM_HEADS - NUM_KV_HEADS
             source = NUM_HEADS + head if K_EQ_V else slot
@@ -86,7 +97,19 @@ def _qkv_norm_rope_store_kernel(
                 v_row, stride_split, v_buffer_ptr, cos_row, sin_row, v_eps, dtype, HEAD_DIM, False, False, SPLITS
             )
             v_dst = v_buffer_ptr + row * stride_v_row + head * stride_v_head + cols
-            tl.store(v_dst, v.to(v_buffer_ptr.dtype.element_ty))
+            tl.store(v_dst, _to_cache(v, v_scale, v_buffer_ptr.dtype.element_ty, KV_FP8))
+
+
+FP8_MAX = tl.constexpr(FP8_KV_MAX) if tl is not None else FP8_KV_MAX
+
+
+@jit
+def _to_cache(x, scale, cache_dtype, KV_FP8: tl.constexpr):
+    """x (float32, rounded to the activation dtype by norm_rope_head) as the cache stores it; FP8: divided by
+    the scale and clamped to +-448 (torch's cast, the reference, does not saturate)."""
+    if KV_FP8:
+        x = round_to_e4m3(tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX))
+    return x.to(cache_dtype)
 
 
 def qkv_norm_rope_store_reference(
@@ -101,8 +124,11 @@ def qkv_norm_rope_store_reference(
     v_buffer: torch.Tensor,
     full_to_swa: torch.Tensor | None,
     slots: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """The op-by-op path: split, q and k norm + RoPE, scale-free v norm, K/V written at the slots' rows."""
+    """The op-by-op path: split, q and k norm + RoPE, scale-free v norm, K/V written at the slots' rows
+    (quantized with the scales into FP8 buffers)."""
     tokens, dim = qkv.shape[0], layout.head_dim
     q_raw, k_raw, *v_part = qkv.split(layout.sizes, dim=-1)
     # the torch math (use_triton=False): the kernel under test shares `norm_rope_head` with rms_norm_rope's
@@ -111,8 +137,8 @@ def qkv_norm_rope_store_reference(
     v_raw = v_part[0].view(tokens, -1, dim) if v_part else k_raw
     k = rms_norm_rope(k_raw, k_weight, cos, sin, eps, use_triton=False)
     rows = slots if full_to_swa is None else full_to_swa[slots]
-    k_buffer[rows] = k.to(k_buffer.dtype)
-    v_buffer[rows] = rms_norm_reference(v_raw, None, eps).to(v_buffer.dtype)
+    write_rows(k_buffer, rows, k, k_scale)
+    write_rows(v_buffer, rows, rms_norm_reference(v_raw, None, eps).to(q.dtype), v_scale)
     return q
 
 
@@ -129,6 +155,8 @@ def qkv_norm_rope_store(
     full_to_swa: torch.Tensor | None,
     slots: torch.Tensor,
     use_triton: bool | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q [tokens, heads, head_dim] normed and roped; k (normed, roped) and v (scale-free norm) of the new
     tokens written to the layer's K/V buffers [rows, kv_heads, head_dim] at the rows of their full-pool `slots`
@@ -138,7 +166,8 @@ def qkv_norm_rope_store(
     float32 partial sums (`layers/linear.py`), summed and rounded to cos's dtype first; q_weight, k_weight:
     [head_dim] norm weights (v's norm is scale-free), all three norms with `eps`; cos, sin: [tokens, head_dim]
     in the activation dtype. The caller checks the slots (`SRT_DEBUG_KV_INDICES`): the kernel trusts them.
-    `use_triton` as in kernels/norm.py: None runs Triton on CUDA and the reference elsewhere.
+    `use_triton` as in kernels/norm.py: None runs Triton on CUDA and the reference elsewhere. FP8 buffers
+    store value / scale (`k_scale`, `v_scale`: the layer's per-tensor scales, `HybridKVPool.kv_scales`).
     """
     partials = qkv.dim() == 3
     tokens, dim = qkv.shape[-2], layout.head_dim
@@ -150,7 +179,7 @@ def qkv_norm_rope_store(
         if partials:
             qkv = sum_partials(qkv, cos.dtype)
         return qkv_norm_rope_store_reference(
-            qkv, layout, q_weight, k_weight, eps, cos, sin, k_buffer, v_buffer, full_to_swa, slots
+            qkv, layout, q_weight, k_weight, eps, cos, sin, k_buffer, v_buffer, full_to_swa, slots, k_scale, v_scale
         )
     if dim & (dim - 1):
         raise ValueError(f"qkv_norm_rope_store needs a power-of-two head_dim, got {dim}")
@@ -170,9 +199,10 @@ def qkv_norm_rope_store(
             q, k_buffer, v_buffer,
             qkv.stride(0) if partials else 0, qkv.stride(-2), cos.stride(0), sin.stride(0), q.stride(0), q.stride(1),
             k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0), v_buffer.stride(1),
-            eps, eps, eps,
+            eps, eps, eps, k_scale, v_scale,
             NUM_HEADS=layout.num_heads, NUM_KV_HEADS=layout.num_kv_heads, HEAD_DIM=dim, K_EQ_V=layout.k_eq_v,
-            SLIDING=sliding, SPLITS=qkv.shape[0] if partials else 1, USE_PDL=bool(launch),
+            SLIDING=sliding, SPLITS=qkv.shape[0] if partials else 1, KV_FP8=is_fp8_kv(k_buffer.dtype),
+            USE_PDL=bool(launch),
             num_warps=max(1, min(4, dim // 128)), **launch,
         )  # fmt: skip
     return q

@@ -6,7 +6,8 @@
   `kernel_runs_on`: whether a kernel can run on a device at all.
 - `is_interpreted`: whether a kernel runs under Triton's CPU interpreter (TRITON_INTERPRET=1 set before the
   kernel's module was imported, as test/conftest.py does); `dot_options`: a tl.dot's precision there and on GPU.
-- `round_to`: float32 -> a dtype's nearest value, the same on the GPU and in the interpreter.
+- `round_to`: float32 -> a dtype's nearest value, the same on the GPU and in the interpreter;
+  `round_to_e4m3`: the same for float8_e4m3fn (FP8 KV caches).
 - `has_pdl`, `gdc_wait`, `gdc_launch_dependents`: programmatic dependent launch (Hopper, newer Triton);
   `pdl_launch` and `pdl_start`: the launch option and the in-kernel prologue of a chained kernel.
 """
@@ -117,3 +118,21 @@ def round_to(x, DTYPE: tl.constexpr):
         return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
     else:
         return x.to(DTYPE).to(tl.float32)
+
+
+# float32 additions of this constant round to multiples of 2^-9, e4m3's subnormal spacing: its float32 ulp
+_E4M3_SUBNORMAL_ROUNDER = 1.5 * 2.0**14
+_E4M3_MIN_NORMAL = 2.0**-6
+
+
+@jit
+def round_to_e4m3(x):
+    """float32 `x` (|x| <= 448, NaN-free) rounded to the nearest float8_e4m3fn value (ties to even), as float32:
+    then cast to float8e4nv exactly. Integer ops, as in `round_to`: the CPU interpreter's float32 -> fp8 cast
+    neither rounds to nearest even nor carries a rounded-up mantissa into the exponent."""
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    # fixed spacing 2^-9 below 2^-6; rounded on |x|, the sign put back (-0 stays -0)
+    subnormal = (tl.abs(x) + _E4M3_SUBNORMAL_ROUNDER) - _E4M3_SUBNORMAL_ROUNDER
+    subnormal = (subnormal.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) < _E4M3_MIN_NORMAL, subnormal, normal)

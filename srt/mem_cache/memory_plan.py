@@ -8,6 +8,10 @@
 Sliding layers keep at most a window of KV per request, so the SWA pool needs far fewer tokens than the
 full pool. The ratio defaults to 0.15 for MoE checkpoints (26B-A4B: many sliding layers with 8 KV heads make
 SWA tokens expensive) and 0.8 for dense ones; a user's value always wins.
+
+Bytes per token follow the pools' element dtype: the model's (`--kv-cache-dtype auto`) or one byte per element
+for FP8 (`fp8_e4m3`), which fits twice the bf16 tokens in the same budget (its float32 scales, two per layer,
+are noise). The summary line names the dtype.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class MemoryPlan:
     swa_full_tokens_ratio: float
     ratio_rule: str  # RULE_USER, RULE_MOE or RULE_DENSE
     sized_by: str  # "mem_fraction_static" or "max_total_tokens"
+    kv_dtype: torch.dtype  # the pools' element dtype (float8_e4m3fn: --kv-cache-dtype fp8_e4m3)
 
     @property
     def kv_bytes(self) -> int:
@@ -79,6 +84,7 @@ class MemoryPlan:
         return (
             f"KV pools ({self.sized_by}): full {self.full_tokens} tokens x {self.full_bytes_per_token} B, "
             f"swa {self.swa_tokens} tokens x {self.swa_bytes_per_token} B = {self.kv_bytes / 2**30:.2f} GiB "
+            f"of {str(self.kv_dtype).removeprefix('torch.')} KV "
             f"(weights {self.weight_bytes / 2**30:.2f} GiB); swa_full_tokens_ratio {self.swa_full_tokens_ratio} "
             f"({self.ratio_rule})"
         )
@@ -93,14 +99,18 @@ def plan_memory(
     mem_fraction_static: float = 0.85,
     max_total_tokens: int | None = None,
     swa_full_tokens_ratio: float | None = None,
+    kv_dtype: torch.dtype | None = None,
 ) -> MemoryPlan:
     """Pool sizes from `max_total_tokens` (full-pool tokens) if given, else from the device's memory.
+
+    `dtype` is the weights'; `kv_dtype` the pools' elements (default: `dtype`; float8_e4m3fn for an FP8 cache).
 
     Raises ValueError when the weights leave no room for KV, or when `max_total_tokens` does not fit in
     the device memory given alongside it.
     """
     ratio = choose_swa_ratio(model_config, swa_full_tokens_ratio)
-    full_bpt, swa_bpt = kv_bytes_per_token(model_config.layers, dtype)
+    kv_dtype = kv_dtype or dtype
+    full_bpt, swa_bpt = kv_bytes_per_token(model_config.layers, kv_dtype)
     budget = None
     if device_memory_bytes is not None:
         if not 0 < mem_fraction_static <= 1:
@@ -130,6 +140,7 @@ def plan_memory(
         swa_full_tokens_ratio=ratio.value,
         ratio_rule=ratio.rule,
         sized_by=sized_by,
+        kv_dtype=kv_dtype,
     )
     if budget is None:
         return replace(plan, kv_budget_bytes=plan.kv_bytes)
@@ -151,8 +162,8 @@ class Concurrency(NamedTuple):
     naive_requests: int  # the same KV budget spent on full-length KV in every layer
 
 
-def concurrency(plan: MemoryPlan, model_config: ModelConfig, dtype: torch.dtype, context_len: int) -> Concurrency:
-    """Requests of `context_len` tokens that fit in the planned pools, beside a naive layout.
+def concurrency(plan: MemoryPlan, model_config: ModelConfig, context_len: int) -> Concurrency:
+    """Requests of `context_len` tokens that fit in the planned pools, beside a naive layout (same KV dtype).
 
     A running request holds SWA KV only for the last W-1 tokens plus the one being computed (older tokens
     are freed after each step), so it needs min(L, W) SWA slots once its prefill is done.
@@ -160,7 +171,7 @@ def concurrency(plan: MemoryPlan, model_config: ModelConfig, dtype: torch.dtype,
     window = model_config.sliding_window
     by_full = plan.full_tokens // context_len
     by_swa = plan.swa_tokens // min(context_len, window) if plan.swa_bytes_per_token else by_full
-    naive_bpt = sum(layer_kv_bytes(spec, dtype) for spec in model_config.layers)
+    naive_bpt = sum(layer_kv_bytes(spec, plan.kv_dtype) for spec in model_config.layers)
     return Concurrency(
         context_len=context_len,
         requests=min(by_full, by_swa),

@@ -11,9 +11,11 @@ from transformers import GenerationConfig
 from srt.configs.model_config import ModelConfig, resolve_dtype
 from srt.distributed.ranks import TensorParallelGroup
 from srt.forward.forward_batch import ForwardBatch
+from srt.kernels.kv_quant import is_fp8_kv
 from srt.layers.attention import create_attention_backend
 from srt.layers.logits_processor import LogitsOutput
 from srt.mem_cache.allocator import SWATokenAllocator
+from srt.mem_cache.kv_cache_dtype import KVScales, resolve_kv_cache_dtype
 from srt.mem_cache.kv_pool import HybridKVPool
 from srt.mem_cache.memory_plan import MemoryPlan, plan_memory
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -21,7 +23,8 @@ from srt.model_executor.captured_steps import default_batch_sizes
 from srt.model_executor.cuda_graph_runner import DecodeGraphs, SharedLayerGraphs
 from srt.model_executor.draft_graphs import DraftGraphs
 from srt.model_executor.extend_graphs import ExtendGraphs, default_token_counts
-from srt.model_loader.loader import load_model
+from srt.model_loader.kv_scales import read_kv_scales
+from srt.model_loader.loader import load_model, safetensors_files
 from srt.models.gemma4_mm import Gemma4ForConditionalGeneration
 from srt.server_args import ServerArgs
 from srt.speculative.assistant_loader import load_assistant
@@ -96,6 +99,7 @@ class ModelRunner:
                 tp_size=tp.place.size if tp is not None else 1,
             )
             self.drafter = FrozenKVDrafter(assistant, self.model, server_args.speculative_num_steps)
+        self.kv_dtype = resolve_kv_cache_dtype(server_args.kv_cache_dtype, self.dtype)
         self.context_len = server_args.context_length or self.model_config.context_len
         self.eos_token_ids = checkpoint_eos_token_ids(self.model_config, server_args.model_path)
         full_tokens, swa_tokens = self._pool_sizes()
@@ -106,7 +110,11 @@ class ModelRunner:
         # the assistant's layers join the pool's ownership map as readers of the target's KV-owning layers
         draft_layers = self.drafter.assistant.config.layers if self.drafter else ()
         self.kv_pool = HybridKVPool(
-            self.model_config.layers + draft_layers, self.token_allocator, self.dtype, self.device
+            self.model_config.layers + draft_layers,
+            self.token_allocator,
+            self.kv_dtype,
+            self.device,
+            self._kv_scales(model_path),
         )
         backend = server_args.attention_backend
         if backend == "auto":
@@ -121,14 +129,22 @@ class ModelRunner:
         if self.device.type == "cuda" and backend == "triton" and not server_args.disable_cuda_graph:
             self.capture_cuda_graphs()
         logger.info(
-            "model ready: %s on %s (%s), KV pools: full %d tokens, swa %d tokens, attention %s",
+            "model ready: %s on %s (%s), KV pools (%s): full %d tokens, swa %d tokens, attention %s",
             server_args.model_path,
             self.device,
             self.dtype,
+            self.kv_dtype,
             full_tokens,
             swa_tokens,
             backend,
         )
+
+    def _kv_scales(self, model_path: Path | None) -> dict[int, KVScales]:
+        """FP8 KV: the checkpoint's per-layer K/V scales where it has them (dummy weights: none, so 1.0)."""
+        if not is_fp8_kv(self.kv_dtype) or model_path is None:
+            return {}
+        owners = {spec.layer_id for spec in self.model_config.layers if spec.owns_kv}
+        return read_kv_scales(safetensors_files(model_path), owners)
 
     def _pool_sizes(self) -> tuple[int, int]:
         """(full, swa) pool tokens: --max-total-tokens, else --mem-fraction-static of the GPU's memory."""
@@ -137,7 +153,7 @@ class ModelRunner:
         device_memory = None
         if self.device.type == "cuda":
             device_memory = torch.cuda.get_device_properties(self.device).total_memory
-        plan = plan_pools(self.server_args, self.model_config, self.dtype, weight_bytes, device_memory)
+        plan = plan_pools(self.server_args, self.model_config, self.dtype, weight_bytes, device_memory, self.kv_dtype)
         rank = f"rank {self.tp.place.rank}: " if self.tp is not None else ""
         logger.info("KV memory: %s%s", rank, plan.summary())
         self.memory_plan = plan
@@ -225,9 +241,11 @@ def plan_pools(
     dtype: torch.dtype,
     weight_bytes: int,
     device_memory_bytes: int | None,
+    kv_dtype: torch.dtype | None = None,
 ) -> MemoryPlan:
     """The KV pools a runner gets: --max-total-tokens, else --mem-fraction-static of the device's memory; with no
-    device memory to size from (the CPU) and no --max-total-tokens, CPU_DEFAULT_TOTAL_TOKENS full-pool tokens."""
+    device memory to size from (the CPU) and no --max-total-tokens, CPU_DEFAULT_TOTAL_TOKENS full-pool tokens.
+    `kv_dtype`: the pools' elements (default: what --kv-cache-dtype makes of `dtype`)."""
     max_total_tokens = server_args.max_total_tokens
     if device_memory_bytes is None and max_total_tokens is None:
         max_total_tokens = CPU_DEFAULT_TOTAL_TOKENS
@@ -239,6 +257,7 @@ def plan_pools(
         mem_fraction_static=server_args.mem_fraction_static,
         max_total_tokens=max_total_tokens,
         swa_full_tokens_ratio=server_args.swa_full_tokens_ratio,
+        kv_dtype=kv_dtype or resolve_kv_cache_dtype(server_args.kv_cache_dtype, dtype),
     )
 
 

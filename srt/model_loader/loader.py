@@ -22,6 +22,7 @@ from srt.distributed.weight_shards import read_shard, shard_of
 from srt.layers.fp8_linear import Fp8Linear
 from srt.model_loader.fp8 import FP8, Fp8Scheme, dequantize, scheme_of_checkpoint
 from srt.model_loader.fp8_model import QUANTIZATIONS, quantize_model_fp8, use_fp8_projections
+from srt.model_loader.kv_scales import kv_scale_target
 from srt.model_loader.weight_names import AUDIO_PREFIXES, to_param_name
 from srt.models.gemma4 import Gemma4ForCausalLM
 from srt.models.gemma4_mm import Gemma4ForConditionalGeneration
@@ -138,6 +139,8 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
                 if checkpoint_name.endswith(".weight_scale"):
                     fp8_scales[checkpoint_name.removesuffix("_scale")] = handle.get_tensor(checkpoint_name)
                     continue
+                if kv_scale_target(checkpoint_name) is not None:
+                    continue  # KV cache scales are the pool's (kv_scales.py), read only for an FP8 KV cache
                 audio += checkpoint_name.startswith(AUDIO_PREFIXES)
                 name = to_param_name(checkpoint_name, config)
                 if name is None:

@@ -96,6 +96,8 @@ class Gemma4Attention(nn.Module):
                 target.v_buffer,
                 target.full_to_swa,
                 batch.out_cache_loc,
+                k_scale=target.scales.k,
+                v_scale=target.scales.v,
             )
         out = backend.forward(q, self.spec, batch)
         return reduce_sum(linear_partials(out.reshape(tokens, -1), self.o_proj), self.tp_size)

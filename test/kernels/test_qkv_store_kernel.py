@@ -14,8 +14,10 @@ import torch
 from kernel_inputs import DEVICE, EPS, random_weight
 from kernel_inputs import cos_sin as _cos_sin
 
+from srt.kernels.kv_quant import FP8_KV_DTYPE
 from srt.kernels.norm import sum_partials
 from srt.kernels.qkv_store import QKVLayout, qkv_norm_rope_store, qkv_norm_rope_store_reference
+from srt.kernels.triton_support import jit, round_to_e4m3, tl
 
 
 class Target(NamedTuple):
@@ -169,3 +171,82 @@ def test_kernel_on_gpu_at_real_sizes(layout: QKVLayout, tokens: int) -> None:
         _assert_close(q, want_q)
         _assert_close(target.k_buffer, want_target.k_buffer)
         _assert_close(target.v_buffer, want_target.v_buffer)
+
+
+# ---- FP8 K/V buffers (--kv-cache-dtype fp8_e4m3) ----
+
+
+def _fp8_target(rows: int, layout: QKVLayout, sliding: bool) -> Target:
+    shape = (rows, layout.num_kv_heads, layout.head_dim)
+    k_buffer = torch.full(shape, 7.0, device=DEVICE).to(FP8_KV_DTYPE)
+    v_buffer = torch.full(shape, -7.0, device=DEVICE).to(FP8_KV_DTYPE)
+    full_to_swa = (torch.arange(rows, device=DEVICE) * 5) % rows if sliding else None
+    return Target(k_buffer, v_buffer, full_to_swa)
+
+
+@pytest.mark.parametrize(
+    "dtype,sliding,k_eq_v,head_dim",
+    [
+        (torch.float32, False, False, 16),
+        (torch.bfloat16, True, True, 16),
+        pytest.param(torch.bfloat16, True, False, 256, marks=pytest.mark.gpu),  # E4B sliding
+        pytest.param(torch.bfloat16, False, True, 512, marks=pytest.mark.gpu),  # 31B full
+    ],
+)
+def test_fp8_store_matches_the_reference_quantization(
+    dtype: torch.dtype, sliding: bool, k_eq_v: bool, head_dim: int
+) -> None:
+    """The kernel stores clamp(value / scale, +-448) as float8_e4m3fn: the reference's FP8 bytes, up to one FP8
+    step where the two unquantized values differ in their last bit (RoPE's single rounding, kernels/rope.py).
+    k_scale 1/256 pushes some K values past 448 (saturated, not inf/NaN); v_scale 0.5 differs from it."""
+    layout = QKVLayout(num_heads=4, num_kv_heads=2, head_dim=head_dim, k_eq_v=k_eq_v)
+    generator = torch.Generator().manual_seed(40)
+    qkv = (3 * torch.randn(5, sum(layout.sizes), generator=generator)).to(DEVICE, dtype)
+    norms = _norms(layout.head_dim, generator)
+    cos, sin = _cos_sin(5, layout.head_dim, dtype)
+    slots = torch.tensor([3, 1, 8, 2, 11], device=DEVICE)
+    scales = {"k_scale": 1 / 256, "v_scale": 0.5}
+    got, want = _fp8_target(13, layout, sliding), _fp8_target(13, layout, sliding)
+    with torch.no_grad():
+        q = qkv_norm_rope_store(qkv, layout, *norms, cos, sin, *got, slots, use_triton=True, **scales)
+        want_q = qkv_norm_rope_store_reference(qkv, layout, *norms, cos, sin, *want, slots, **scales)
+    _assert_close(q, want_q)
+    for name, scale in (("k_buffer", scales["k_scale"]), ("v_buffer", scales["v_scale"])):
+        ours, ref = getattr(got, name).float() * scale, getattr(want, name).float() * scale  # dequantized
+        assert torch.isfinite(ours).all()
+        # one e4m3 step (3 mantissa bits), over _assert_close's bf16 allowance for RoPE's rounding
+        torch.testing.assert_close(ours, ref, rtol=2**-3, atol=2**-6 * float(ref.abs().max()), msg=name)
+        assert (ours == ref).float().mean() > 0.9, f"{name}: most bytes are the reference's"
+    assert float(got.k_buffer.float().abs().max()) == 448.0  # saturated at e4m3fn's largest value
+    assert (got.k_buffer.float() != 7.0).any(dim=(1, 2)).sum() == 5
+
+
+def test_e4m3_rounding_is_torchs_on_every_value_and_midpoint() -> None:
+    """`round_to_e4m3` (integer ops, so the interpreter rounds as the GPU does) gives torch's float8_e4m3fn cast
+    on every finite e4m3 value, every midpoint between neighbours (ties to even), just off each midpoint, and
+    random values across the range, subnormals and signed zeros included."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[torch.isfinite(values)].sort().values
+    mids = (values[1:] + values[:-1]) / 2
+    generator = torch.Generator().manual_seed(41)
+    x = torch.cat(
+        [
+            values,
+            mids,
+            torch.nextafter(mids, torch.tensor(1e9)),
+            torch.nextafter(mids, torch.tensor(-1e9)),
+            torch.randn(1024, generator=generator) * 50,
+            torch.randn(1024, generator=generator) * 0.01,
+            torch.tensor([0.0, -0.0]),
+        ]
+    ).clamp(-448, 448)
+    x = torch.cat([x, torch.zeros(4096 - x.numel())]).to(DEVICE)
+    got = torch.empty(4096, dtype=FP8_KV_DTYPE, device=DEVICE)
+    _round_to_e4m3_kernel[(1,)](x, got, N=4096)
+    assert torch.equal(got.view(torch.uint8), x.to(FP8_KV_DTYPE).view(torch.uint8))
+
+
+@jit
+def _round_to_e4m3_kernel(x_ptr, out_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    tl.store(out_ptr + offs, round_to_e4m3(tl.load(x_ptr + offs)).to(out_ptr.dtype.element_ty))

@@ -15,6 +15,10 @@ the launch shapes are fixed for a batch size and nothing is read back: the kerne
 graphs. Blocks (`default_decode_config`): 64 tokens at head_dim 256, 32 at 512, so a K or V block is 32 KB
 of bf16 at most, next to an M x head_dim float32 accumulator (16 x 512 at most) over 4 warps.
 
+FP8 K/V (`--kv-cache-dtype fp8_e4m3`): blocks are loaded as float8_e4m3fn (half the bytes) and widened to the
+query's dtype in registers; the per-tensor scales are applied outside the dot products, to the scores
+(k_scale) and to the split's output (v_scale), which is the same sum as scaling every element.
+
 Chained launch: a program reads its row's position, length and first KV slots before it waits for the kernel
 ahead (`pdl_start`); no kernel of the layers writes them. The query, and on KV-owning layers the new K/V,
 come after the wait.
@@ -29,6 +33,7 @@ import triton
 import triton.language as tl
 
 from srt.kernels.attention.paged_kv import LOG2E, dot_precision, kv_slots, row_kv_bounds
+from srt.kernels.kv_quant import is_fp8_kv
 from srt.kernels.triton_support import pdl_launch, pdl_start
 
 MAX_KV_SPLITS = 64
@@ -82,6 +87,8 @@ def _decode_split_kernel(
     positions_ptr,
     window,
     num_heads,
+    k_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -98,11 +105,15 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # the dtype of the dot products: the cache's, or the query's when the cache holds FP8 (widened on load)
+    kv_dtype = q_ptr.dtype.element_ty if KV_FP8 else k_ptr.dtype.element_ty
+    score_scale = k_scale * LOG2E if KV_FP8 else LOG2E
     # before the wait: no kernel of the layers writes positions, lengths or slot tables (module docstring)
     pos = tl.load(positions_ptr + row)
     kv_start, kv_end = row_kv_bounds(pos, tl.load(row_seq_lens_ptr + row), window, SLIDING)
@@ -120,7 +131,7 @@ def _decode_split_kernel(
     pdl_start(USE_PDL)
     q = tl.load(
         q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None], other=0.0
-    ).to(k_ptr.dtype.element_ty)
+    ).to(kv_dtype)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -128,11 +139,11 @@ def _decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         kv_ok = start + offs_n < hi
         # K and V of this block, then the next block's slots: three loads in flight, none waiting on math
-        k = tl.load(k_ptr + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None])
-        v = tl.load(v_ptr + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :])
+        k = tl.load(k_ptr + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]).to(kv_dtype)
+        v = tl.load(v_ptr + slot[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]).to(kv_dtype)
         next_pos = start + BLOCK_N + offs_n
         slot = kv_slots(req_to_token_row, full_to_swa_ptr, next_pos, next_pos < hi, SLIDING)
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * LOG2E
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * score_scale
         qk = tl.where(kv_ok[None, :], qk, float("-inf"))
         # every block holds at least one visible position, so the running max is finite from the first on
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -143,6 +154,8 @@ def _decode_split_kernel(
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * v_scale
     if NUM_SPLITS == 1:
         tl.store(
             o_ptr + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -221,11 +234,14 @@ def decode_attention(
     num_splits: int,
     partials: tuple[torch.Tensor, torch.Tensor] | None,
     config: DecodeConfig,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write into `out` [rows, heads, head_dim] the attention of each row's single query over its KV.
 
     Row r belongs to the request in req_to_token row `row_pool_indices[r]` with `row_seq_lens[r]` tokens of
-    KV; `partials` (from `decode_partials`) is needed when num_splits > 1.
+    KV; `partials` (from `decode_partials`) is needed when num_splits > 1. FP8 K/V buffers hold value / scale
+    (`k_scale`, `v_scale`: the layer's per-tensor scales); other buffers ignore the scales.
     """
     num_rows, num_heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
@@ -248,6 +264,8 @@ def decode_attention(
         positions,
         window,
         num_heads,
+        k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -264,6 +282,7 @@ def decode_attention(
         NUM_SPLITS=num_splits,
         SLIDING=sliding,
         DOT_PRECISION=dot_precision(q.dtype == torch.float32),
+        KV_FP8=is_fp8_kv(k_buffer.dtype),
         USE_PDL=bool(launch),
         num_warps=config.num_warps,
         num_stages=config.num_stages,

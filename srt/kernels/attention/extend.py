@@ -14,6 +14,9 @@ position], in blocks of BLOCK_N, with an online softmax; per element it masks wh
 head_dim 256 and 512 split the output columns over value_splits programs per tile (each recomputes the
 M x N scores over the full head_dim), so that the fp32 accumulator M x head_dim / value_splits fits.
 
+FP8 K/V (`--kv-cache-dtype fp8_e4m3`): blocks load as float8_e4m3fn and are widened to the query's dtype in
+registers; k_scale multiplies the scores and v_scale the output, the same sums as dequantizing every element.
+
 The tile table lives on the device and is built without reading anything back: its length is an upper bound
 (cdiv(rows, BLOCK_Q) + requests); surplus tiles cover no rows and do no work.
 """
@@ -27,6 +30,7 @@ import triton
 import triton.language as tl
 
 from srt.kernels.attention.paged_kv import LOG2E, dot_precision, kv_slots, row_kv_bounds
+from srt.kernels.kv_quant import is_fp8_kv
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,8 @@ def _attend(
     With MASK, each row's causal and window bounds and the range end are applied per element; without it
     every row must see every position of whole blocks.
     """
-    k_ptr, v_ptr, req_to_token_row, full_to_swa_ptr, kv_head, stride_kt, stride_kh, stride_vt, stride_vh = kv
+    (k_ptr, v_ptr, req_to_token_row, full_to_swa_ptr, kv_head, stride_kt, stride_kh, stride_vt, stride_vh,
+     score_scale) = kv  # fmt: skip
     BLOCK_N: tl.constexpr = offs_n.shape[0]
     for block in range(start, end, BLOCK_N):
         kv_pos = block + offs_n
@@ -108,8 +113,8 @@ def _attend(
             slot = kv_slots(req_to_token_row, full_to_swa_ptr, kv_pos, kv_ok, SLIDING)
         else:
             slot = kv_slots(req_to_token_row, full_to_swa_ptr, kv_pos, None, SLIDING)
-        k = tl.load(k_ptr + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None])
-        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * LOG2E
+        k = tl.load(k_ptr + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]).to(q.dtype)
+        qk = tl.dot(q, k, input_precision=DOT_PRECISION) * score_scale
         if MASK:
             visible = kv_ok[None, :] & (kv_pos[None, :] <= pos[:, None])
             if SLIDING:
@@ -120,7 +125,7 @@ def _attend(
         p = tl.exp2(qk - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * stride_vt + kv_head * stride_vh + offs_v[None, :])
+        v = tl.load(v_ptr + slot[:, None] * stride_vt + kv_head * stride_vh + offs_v[None, :]).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return m_i, l_i, acc
@@ -142,6 +147,8 @@ def _extend_kernel(
     positions_ptr,
     num_tiles,
     window,
+    k_scale,
+    v_scale,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -160,8 +167,11 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
+    # the dtype of the dot products: the cache's, or the query's when the cache holds FP8 (widened on load)
+    kv_dtype = q_ptr.dtype.element_ty if KV_FP8 else k_ptr.dtype.element_ty
     kv_head = tl.program_id(1) // HEAD_SPLITS
     first_head = kv_head * GROUP + (tl.program_id(1) % HEAD_SPLITS) * HEADS_PER_PROG
     offs_v = tl.program_id(2) * VALUE_DIM + tl.arange(0, VALUE_DIM)  # the output columns of this program
@@ -181,7 +191,7 @@ def _extend_kernel(
         q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=m_ok[:, None],
         other=0.0,
-    ).to(k_ptr.dtype.element_ty)
+    ).to(kv_dtype)
 
     seq_len = tl.load(seq_lens_ptr + req)
     req_to_token_row = req_to_token_ptr + tl.load(req_pool_ptr + req).to(tl.int64) * stride_req
@@ -196,7 +206,9 @@ def _extend_kernel(
     m_i = tl.full([BLOCK_Q * HEADS_PER_PROG], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * HEADS_PER_PROG], tl.float32)
     acc = tl.zeros([BLOCK_Q * HEADS_PER_PROG, VALUE_DIM], tl.float32)
-    kv = (k_ptr, v_ptr, req_to_token_row, full_to_swa_ptr, kv_head, stride_kt, stride_kh, stride_vt, stride_vh)
+    score_scale = k_scale * LOG2E if KV_FP8 else LOG2E
+    kv = (k_ptr, v_ptr, req_to_token_row, full_to_swa_ptr, kv_head, stride_kt, stride_kh, stride_vt, stride_vh,
+          score_scale)  # fmt: skip
     # masked blocks before (window edge), unmasked blocks in the middle, masked blocks after (causal edge)
     m_i, l_i, acc = _attend(q, pos, window, m_i, l_i, acc, kv, kv_start, all_start, offs_n, offs_d, offs_v,
                             True, SLIDING, DOT_PRECISION)  # fmt: skip
@@ -206,6 +218,8 @@ def _extend_kernel(
                             offs_d, offs_v, True, SLIDING, DOT_PRECISION)  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * v_scale
     tl.store(
         o_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_v[None, :],
         out.to(o_ptr.dtype.element_ty),
@@ -226,11 +240,14 @@ def extend_attention(
     positions: torch.Tensor,
     sliding_window: int | None,
     config: ExtendConfig,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write into `out` [rows, heads, head_dim] the attention of q over each request's KV.
 
     `tiles` comes from `build_extend_tiles(..., config.block_q)`; K/V buffers are [slots, kv_heads, head_dim]
-    (a sliding layer's are indexed by SWA slots, reached through `full_to_swa`).
+    (a sliding layer's are indexed by SWA slots, reached through `full_to_swa`). FP8 buffers hold
+    value / scale (`k_scale`, `v_scale`: the layer's per-tensor scales); other buffers ignore the scales.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_buffer.shape[1]
@@ -251,6 +268,8 @@ def extend_attention(
         positions,
         num_tiles,
         sliding_window or 0,
+        k_scale,
+        v_scale,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -269,6 +288,7 @@ def extend_attention(
         BLOCK_N=config.block_n,
         SLIDING=sliding_window is not None,
         DOT_PRECISION=dot_precision(q.dtype == torch.float32),
+        KV_FP8=is_fp8_kv(k_buffer.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -1,7 +1,7 @@
 """Reference attention backend: a loop over requests with torch's scaled_dot_product_attention.
 
 Slow by design (one SDPA call per request and layer); it is the numerical reference the fast backends are
-checked against, and the CPU path.
+checked against, and the CPU path. FP8 KV is dequantized element by element (stored * scale) before SDPA.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from srt.configs.model_config import AttentionLayerSpec
 from srt.forward.forward_batch import ForwardBatch
+from srt.kernels.kv_quant import read_rows
 from srt.layers.attention.base import AttentionBackend
 
 
@@ -55,6 +56,7 @@ class TorchNativeAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         pool = batch.kv_pool
         k_buffer, v_buffer = pool.kv_buffers(layer.layer_id)
+        k_scale, v_scale = pool.kv_scales(layer.layer_id)  # the owner's, like the buffers (FP8 pools)
         req_to_token = batch.req_to_token_pool.req_to_token
         out = torch.empty_like(q)
         for req in batch.attn_metadata:
@@ -64,8 +66,9 @@ class TorchNativeAttentionBackend(AttentionBackend):
                 kv_start = max(0, req.min_position - layer.sliding_window + 1)
             full_slots = req_to_token[req.req_pool_index, kv_start : req.seq_len].to(torch.int64)
             rows = pool.layer_slots(layer.layer_id, full_slots)
-            keys = k_buffer[rows].transpose(0, 1).unsqueeze(0)  # [1, kv_heads, kv_len, head_dim]
-            values = v_buffer[rows].transpose(0, 1).unsqueeze(0)
+            # [1, kv_heads, kv_len, head_dim] in q's dtype (FP8: dequantized, stored * scale)
+            keys = read_rows(k_buffer, rows, k_scale, q.dtype).transpose(0, 1).unsqueeze(0)
+            values = read_rows(v_buffer, rows, v_scale, q.dtype).transpose(0, 1).unsqueeze(0)
             kv_positions = torch.arange(kv_start, req.seq_len, device=q.device)
             q_positions = req.positions[:, None]
             mask = kv_positions[None, :] <= q_positions
@@ -74,9 +77,7 @@ class TorchNativeAttentionBackend(AttentionBackend):
                     mask |= _inside(kv_positions[None, :], first, end) & _inside(q_positions, first, end)
                 mask &= kv_positions[None, :] > q_positions - layer.sliding_window
             query = q[req.row_start : req.row_start + req.num_rows].transpose(0, 1).unsqueeze(0)
-            attended = F.scaled_dot_product_attention(
-                query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=1.0, enable_gqa=True
-            )
+            attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=1.0, enable_gqa=True)
             out[req.row_start : req.row_start + req.num_rows] = attended[0].transpose(0, 1)
         return out
 

@@ -2,7 +2,7 @@
 
 Same semantics as `torch_native`: each query row sees its request's KV positions up to its own position
 (and, on sliding layers, no further back than window - 1); sliding layers read the SWA pool through
-`full_to_swa`; KV-shared layers read their owner's buffers. Two kernels:
+`full_to_swa`; KV-shared layers read their owner's buffers (and, FP8 pools, its scales). Two kernels:
 
 - decode (`kernels/attention/decode.py`): one query row at a time, split-KV with a combine pass. Used for
   DECODE batches (row i = request i; nothing is read back to the host, so it can run under CUDA graphs), for
@@ -109,6 +109,7 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         pool = batch.kv_pool
         k_buffer, v_buffer = pool.kv_buffers(layer.layer_id)
+        k_scale, v_scale = pool.kv_scales(layer.layer_id)  # the owner's, like the buffers (FP8 pools)
         req_to_token = batch.req_to_token_pool.req_to_token
         full_to_swa = pool.allocator.full_to_swa
         meta: TritonAttentionMetadata = batch.attn_metadata
@@ -146,6 +147,8 @@ class TritonAttentionBackend(AttentionBackend):
                 splits,
                 partials,
                 default_decode_config(head_dim, on_gpu),
+                k_scale,
+                v_scale,
             )
             return out
 
@@ -165,6 +168,8 @@ class TritonAttentionBackend(AttentionBackend):
             meta.positions,
             window,
             config,
+            k_scale,
+            v_scale,
         )
         return out
 

@@ -20,9 +20,11 @@ from srt.configs.model_config import FULL, SLIDING, AttentionLayerSpec
 from srt.forward.forward_batch import ForwardBatch, ForwardMode
 from srt.kernels.attention import decode as decode_kernels
 from srt.kernels.attention.extend import build_extend_tiles
+from srt.kernels.kv_quant import to_buffer
 from srt.layers.attention import create_attention_backend
 from srt.layers.attention.triton_backend import TritonAttentionBackend
 from srt.mem_cache.allocator import SWATokenAllocator
+from srt.mem_cache.kv_cache_dtype import KVScales
 from srt.mem_cache.kv_pool import HybridKVPool
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 
@@ -54,19 +56,28 @@ def make_layers(
 class PagedState:
     """Pools with requests whose prefix KV is random, for running one batch through both backends."""
 
-    def __init__(self, layers, dtype: torch.dtype = torch.float32, full_size: int = 512, swa_size: int = 256):
+    def __init__(
+        self,
+        layers,
+        dtype: torch.dtype = torch.float32,
+        full_size: int = 512,
+        swa_size: int = 256,
+        scales: dict[int, KVScales] | None = None,
+    ):
+        """`dtype`: the K/V buffers' (float8_e4m3fn with `scales` per owning layer, as HybridKVPool takes)."""
         self.layers = layers
         self.dtype = dtype
         self.allocator = SWATokenAllocator(full_size, swa_size, DEVICE)
-        self.pool = HybridKVPool(layers, self.allocator, dtype, DEVICE)
+        self.pool = HybridKVPool(layers, self.allocator, dtype, DEVICE, scales)
         self.req_to_token = ReqToTokenPool(8, 4096, DEVICE)
         self.seq_lens: dict[int, int] = {}
         # the padding slot holds large values: a kernel that lets a masked position through is visibly wrong
         for spec in layers:
             if spec.owns_kv:
                 k, v = self.pool.kv_buffers(spec.layer_id)
-                k[0].normal_(0, 30)
-                v[0].normal_(0, 30)
+                k_scale, v_scale = self.pool.kv_scales(spec.layer_id)
+                k[0] = to_buffer(torch.randn(k[0].shape, device=DEVICE) * 30, k.dtype, k_scale)
+                v[0] = to_buffer(torch.randn(v[0].shape, device=DEVICE) * 30, v.dtype, v_scale)
 
     def add_request(self, cached: int) -> int:
         """A request row whose first `cached` tokens have random KV in every owning layer."""
