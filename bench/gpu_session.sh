@@ -65,6 +65,8 @@ stage_fp8() {  # bf16 vs --quantization fp8 side by side: decode E4B batch 1 and
         test/kernels/test_fp8_quant_kernel.py test/kernels/test_fp8_block_gemm_kernel.py test/test_fp8_linear.py \
         test/layers/test_linear.py" \
         stage_tests
+}
+
 stage_fp8kv() {  # decode with --kv-cache-dtype auto beside fp8_e4m3, alternated (E4B batch 1 and 32, 512 context)
     # MODELS (default E4B), FP8KV_BATCH (default "1 32"), FP8KV_ROUNDS (default 2), FP8KV_INPUT_LEN (default 512)
     for model in ${MODELS:-E4B}; do
