@@ -121,8 +121,9 @@ def round_to(x, DTYPE: tl.constexpr):
 
 
 # float32 additions of this constant round to multiples of 2^-9, e4m3's subnormal spacing: its float32 ulp
-_E4M3_SUBNORMAL_ROUNDER = 1.5 * 2.0**14
-_E4M3_MIN_NORMAL = 2.0**-6
+# (constexpr: compiled kernels may read no other globals; the interpreter does not check)
+_E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0**14) if tl is not None else 1.5 * 2.0**14
+_E4M3_MIN_NORMAL = tl.constexpr(2.0**-6) if tl is not None else 2.0**-6
 
 
 @jit
