@@ -44,13 +44,19 @@ def quantize_fp8_reference(x: torch.Tensor, group: int | None = None) -> tuple[t
     """`quantize_fp8` in torch ops (float32 math, round to nearest even, saturating at +-448)."""
     rows, k = x.shape
     if group is None:
-        scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=_TINY)
+        scale = _ieee_div(x.abs().amax(dim=1, keepdim=True).float(), FP8_MAX).clamp(min=_TINY)
         return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
     groups = -(-k // group)
     padded = F.pad(x.float(), (0, groups * group - k)).view(rows, groups, group)
-    scale = (padded.abs().amax(dim=2) / FP8_MAX).clamp(min=_TINY)
+    scale = _ieee_div(padded.abs().amax(dim=2), FP8_MAX).clamp(min=_TINY)
     q = (padded / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(rows, groups * group)[:, :k].contiguous(), scale
+
+
+def _ieee_div(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """x / divisor rounded as IEEE division (the kernel's `div_rn`): on CUDA torch divides by a Python scalar as
+    a multiplication by its reciprocal, which differs in the last bit (found comparing the two on an H100)."""
+    return x / torch.full_like(x, divisor)
 
 
 def _pow2(n: int) -> int:
