@@ -72,3 +72,20 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return built[key]
 
     return build
+
+
+# The flags of `shared_server`: the defaults, and the 1 MiB body limit the request-limit and fuzz tests check.
+SHARED_SERVER_FLAGS = ("--max-request-body-mb", "1")
+
+
+@pytest.fixture(scope="session")
+def shared_server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """One server (tiny E4B, float32, cpu, SHARED_SERVER_FLAGS) for the modules that only send it requests:
+    starting it takes seconds of a busy CI machine. A module's own `server` fixture yields it and then waits for
+    it to be idle with no slot leaked (serving_fixtures.wait_idle): no module sees another's requests."""
+    from serving_fixtures import PRESET, start_server
+
+    log = tmp_path_factory.mktemp("shared-server") / "server.log"
+    server = start_server(tiny_checkpoint(PRESET), log, *SHARED_SERVER_FLAGS)
+    yield server
+    server.stop()
