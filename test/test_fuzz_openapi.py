@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openapi_strategies import from_schema
-from serving_fixtures import PRESET, wait_idle
+from serving_fixtures import wait_idle
 
 EXAMPLES = int(os.environ.get("SRT_FUZZ_EXAMPLES", "60"))  # per route: 300 requests in CI
 MAX_GENERATED_TOKENS = 4  # bodies ask for short outputs: the fuzzer looks for bad answers, not long ones
