@@ -47,6 +47,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_for_the_session() -> Iterator[None]:
+    """One torch thread for every test (torch_threads.py says why): the tiny models' matmuls gain nothing from
+    a second thread, and on a busy 2-core machine OpenMP spin-waits make them many times slower."""
+    with one_torch_thread():
+        yield
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """One torch thread for a whole module (`pytestmark = pytest.mark.usefixtures("one_thread")`)."""
