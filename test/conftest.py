@@ -91,9 +91,12 @@ def shared_server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> 
     """One server (tiny E4B, float32, cpu, SHARED_SERVER_FLAGS) for the modules that only send it requests:
     starting it takes seconds of a busy CI machine. A module's own `server` fixture yields it and then waits for
     it to be idle with no slot leaked (serving_fixtures.wait_idle): no module sees another's requests."""
-    from serving_fixtures import PRESET, start_server
+    from serving_fixtures import PRESET, start_server, stop_and_check_no_child_left
 
     log = tmp_path_factory.mktemp("shared-server") / "server.log"
     server = start_server(tiny_checkpoint(PRESET), log, *SHARED_SERVER_FLAGS)
-    yield server
-    server.stop()
+    try:
+        yield server
+    finally:
+        # what test_serving_openai.py's last test checked on its own server: SIGTERM leaves no child process
+        stop_and_check_no_child_left(server)
