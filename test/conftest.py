@@ -47,6 +47,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_thread_for_the_session() -> Iterator[None]:
+    """One torch thread for every test (torch_threads.py says why): the tiny models' matmuls gain nothing from
+    a second thread, and on a busy 2-core machine OpenMP spin-waits make them many times slower."""
+    with one_torch_thread():
+        yield
+
+
 @pytest.fixture(scope="module")
 def one_thread() -> Iterator[None]:
     """One torch thread for a whole module (`pytestmark = pytest.mark.usefixtures("one_thread")`)."""
@@ -72,3 +80,23 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
         return built[key]
 
     return build
+
+
+# The flags of `shared_server`: the defaults, and the 1 MiB body limit the request-limit and fuzz tests check.
+SHARED_SERVER_FLAGS = ("--max-request-body-mb", "1")
+
+
+@pytest.fixture(scope="session")
+def shared_server(tiny_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """One server (tiny E4B, float32, cpu, SHARED_SERVER_FLAGS) for the modules that only send it requests:
+    starting it takes seconds of a busy CI machine. A module's own `server` fixture yields it and then waits for
+    it to be idle with no slot leaked (serving_fixtures.wait_idle): no module sees another's requests."""
+    from serving_fixtures import PRESET, start_server, stop_and_check_no_child_left
+
+    log = tmp_path_factory.mktemp("shared-server") / "server.log"
+    server = start_server(tiny_checkpoint(PRESET), log, *SHARED_SERVER_FLAGS)
+    try:
+        yield server
+    finally:
+        # what test_serving_openai.py's last test checked on its own server: SIGTERM leaves no child process
+        stop_and_check_no_child_left(server)

@@ -76,6 +76,31 @@ def start_server(model: Path, log: Path, *extra: str) -> Server:
     raise RuntimeError(f"server not ready in {STARTUP_TIMEOUT_S} s:\n{log.read_text()}")
 
 
+def stop_and_check_no_child_left(server: Server) -> None:
+    """SIGTERM stops `server` with a clean exit status, and none of its children outlives it."""
+    children = child_pids(server.proc.pid)
+    assert len(children) >= 2  # scheduler and detokenizer (and multiprocessing's resource tracker)
+    code = server.stop()
+    assert code in (0, 128 + 15), server.log.read_text()[-3000:]  # uvicorn re-raises the SIGTERM it handled
+    deadline = time.monotonic() + 5  # orphans would live on; give exiting ones (resource tracker) a moment
+    while any(alive(child) for child in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [child for child in children if alive(child)], "children outlived the server"
+
+
+def wait_idle(url: str, timeout: float = 60.0) -> dict:
+    """/server_info once nothing runs or waits and every pool's slots are free or cached (none leaked)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = httpx.get(f"{url}/server_info", timeout=30).json()
+        idle = info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
+        pools = info["pools"].values()
+        if idle and all(p["in_use"] == 0 and p["free"] + p["cached"] == p["total"] for p in pools):
+            return info
+        assert time.monotonic() < deadline, f"not idle after {timeout} s: {info}"
+        time.sleep(0.2)
+
+
 def openai_client(server: Server) -> openai.OpenAI:
     """The real openai client against `server`: no retries, so a failure shows as it happened."""
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from serving_fixtures import CHILD_ENV
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import Gemma4ForCausalLM as ReferenceModel
 
@@ -20,6 +21,8 @@ from srt.configs import presets
 from srt.configs.model_config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
+# the scripts' processes run one torch thread, as the servers' do (serving_fixtures.CHILD_ENV)
+ENV = {**os.environ, **CHILD_ENV}
 
 
 @pytest.fixture
@@ -43,7 +46,7 @@ def test_correctness_mode_writes_greedy_outputs_of_the_batch(tiny_checkpoint, tm
         "--dtype", "float32", "--correctness-test", "--prompt-ids-file", str(prompt_file),
         "--max-new-tokens", "6", "--json", str(out_file),
     ]  # fmt: skip
-    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    subprocess.run(command, check=True, capture_output=True, timeout=300, env=ENV)
     outputs = json.loads(out_file.read_text())["output_ids"]
 
     reference = ReferenceModel.from_pretrained(path, attn_implementation="eager").eval()
@@ -63,7 +66,7 @@ def test_latency_mode_with_transformers_baseline_reports_speedups_and_floors(tin
         "--dtype", "float32", "--batch-size", "1", "2", "--input-len", "20", "--output-len", "2",
         "--baseline", "transformers", "--json", str(out_file),
     ]  # fmt: skip
-    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    subprocess.run(command, check=True, capture_output=True, timeout=300, env=ENV)
     output = json.loads(out_file.read_text())
 
     assert output["baseline"] == "transformers"
@@ -96,7 +99,7 @@ def test_latency_mode_with_transformers_baseline_reports_speedups_and_floors(tin
 
 def run_script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     command = [sys.executable, str(REPO / "bench" / "bench_one_batch.py"), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=ENV)
 
 
 def test_a_batch_the_kv_pools_cannot_hold_is_refused_before_the_model_is_built() -> None:
@@ -243,7 +246,7 @@ def test_graph_steps_bench_times_both_ways(tiny_checkpoint, tmp_path) -> None:
         "--json",
         str(out_file),
     ]
-    subprocess.run(command, check=True, cwd=REPO, capture_output=True, timeout=300)
+    subprocess.run(command, check=True, cwd=REPO, capture_output=True, timeout=300, env=ENV)
     results = json.loads(out_file.read_text())["results"]
     assert [(r["prompt_len"], r["decode_rows"], r["tokens"]) for r in results] == [
         (20, 0, 20), (50, 0, 50), (20, 3, 23), (50, 3, 53)
@@ -261,7 +264,7 @@ def test_speculative_mode_reports_plain_and_mtp_decoding(tmp_path) -> None:
         "--speculative-draft-model-path", "tiny-gemma-4-E4B-it-assistant", "--batch-size", "1", "2",
         "--input-len", "16", "--output-len", "9", "--json", str(out_file),
     ]  # fmt: skip
-    env = {**os.environ, "SRT_SIMULATE_ACCEPT_LEN": "3.0", "OMP_NUM_THREADS": "1"}
+    env = {**ENV, "SRT_SIMULATE_ACCEPT_LEN": "3.0"}
     subprocess.run(command, check=True, capture_output=True, timeout=300, env=env)
     rows = json.loads(out_file.read_text())["mtp"]
     assert [row["batch_size"] for row in rows] == [1, 2]

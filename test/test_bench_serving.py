@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving_fixtures import PRESET, start_server
+from serving_fixtures import PRESET, wait_idle
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "bench_serving.py"
@@ -219,10 +219,10 @@ def model(tiny_checkpoint) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    server = start_server(model, tmp_path_factory.mktemp("bench-serving") / "server.log")
-    yield server
-    server.stop()
+def server(shared_server):
+    """The session's server (conftest.py); this module leaves it idle with no slot leaked."""
+    yield shared_server
+    wait_idle(shared_server.url)
 
 
 def generated_total(url: str) -> int:

@@ -11,7 +11,7 @@ import json
 
 import httpx
 import pytest
-from serving_fixtures import PRESET, greedy_reference, openai_client, reference_scheduler, start_server
+from serving_fixtures import PRESET, greedy_reference, openai_client, reference_scheduler, wait_idle
 from torch_threads import one_torch_thread
 from transformers import AutoTokenizer
 
@@ -27,10 +27,10 @@ def model(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    server = start_server(model, tmp_path_factory.mktemp("emit-ts") / "server.log")
-    yield server
-    server.stop()
+def server(shared_server):
+    """The session's server (conftest.py); this module leaves it idle with no slot leaked."""
+    yield shared_server
+    wait_idle(shared_server.url)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,8 @@ import torch
 from test_cuda_graph_runner import FP32_REL_TOL, build_runner, spy_on_steps
 from test_mixed_batches import CHUNK
 from test_scheduler import assert_idle_and_consistent, greedy, make_scheduler, prompts
-from test_yoco import SCENARIOS, Driver, chunked_prefill, different_lengths, prompt, relative_error
+from test_yoco import SCENARIOS, Driver, chunked_prefill, prompt, relative_error
+from test_yoco import greedy as greedy_tokens
 
 from srt.forward.forward_batch import ForwardMode
 from srt.layers.moe.experts import Experts
@@ -66,6 +67,16 @@ def test_padded_token_steps_match_the_plain_forward(tiny_checkpoint, variant: st
     plain.close()
 
 
+def different_lengths_prompts(d: Driver, vocab: int) -> list[list[int]]:
+    """`different_lengths` without its decode steps: its 5-, 23- and 41-token prompts in one 69-token step.
+
+    The interpreted Triton decode kernel costs most of a padded decode step on CPU; its padded decode steps are
+    `test_padded_steps_with_the_triton_backend` (test_cuda_graph_runner.py: `different_lengths` whole), and
+    `chunked_prefill` here still ends with one."""
+    prompts = [(name, prompt(vocab, n, seed)) for seed, (name, n) in enumerate([("a", 5), ("b", 23), ("c", 41)])]
+    return [greedy_tokens(d.forward(ForwardMode.EXTEND, prompts, logits_rows=[4, 27, 68]))]
+
+
 def test_padded_token_steps_with_the_triton_backend(tiny_checkpoint) -> None:
     """The Triton kernels (interpreted on CPU) read the padding tokens' request, the tile table of a padded step
     and the padded logits rows like the GPU graphs do."""
@@ -76,7 +87,7 @@ def test_padded_token_steps_with_the_triton_backend(tiny_checkpoint) -> None:
     calls: list[int] = []
     spy_on_steps(padded.runner.extend_graphs.steps, calls)
     vocab = plain.runner.model_config.vocab_size
-    for scenario in (different_lengths, chunked_prefill):
+    for scenario in (different_lengths_prompts, chunked_prefill):
         assert scenario(padded, vocab) == scenario(plain, vocab)
     assert calls == [96, 64, 64, 64]
     assert_same_outputs(padded, plain)

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from openapi_strategies import from_schema
-from serving_fixtures import PRESET, start_server
+from serving_fixtures import wait_idle
 
 EXAMPLES = int(os.environ.get("SRT_FUZZ_EXAMPLES", "60"))  # per route: 300 requests in CI
 MAX_GENERATED_TOKENS = 4  # bodies ask for short outputs: the fuzzer looks for bad answers, not long ones
@@ -35,17 +35,20 @@ FUZZ_SETTINGS = settings(
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
-    model = tiny_checkpoint(PRESET)
-    log = tmp_path_factory.mktemp("fuzz") / "server.log"
-    server = start_server(model, log, "--served-model-name", "fuzz", "--max-request-body-mb", "1")
-    yield server
-    server.stop()
+def server(shared_server):
+    """The session's server (conftest.py); this module leaves it idle with no slot leaked."""
+    yield shared_server
+    wait_idle(shared_server.url)
 
 
 @pytest.fixture(scope="module")
 def document(server) -> dict:
     return httpx.get(f"{server.url}/openapi.json", timeout=TIMEOUT).json()
+
+
+@pytest.fixture(scope="module")
+def name(client) -> str:
+    return client.get("/v1/models").json()["data"][0]["id"]
 
 
 @pytest.fixture(scope="module")
@@ -66,22 +69,25 @@ bad_literal = st.sampled_from(["NaN", "Infinity", "-Infinity", "1e999", "-1e999"
 
 # A request that passes validation, per route: drawn fields are laid over it, so most bodies get past the
 # first check and reach tokenization, sampling and the scheduler.
-BASES = {
-    "/generate": {"text": "Hello", "sampling_params": {"max_new_tokens": 4}},
-    "/v1/completions": {"model": "fuzz", "prompt": "Hello", "max_tokens": 4},
-    "/v1/chat/completions": {"model": "fuzz", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4},
-    "/tokenize": {"prompt": "Hello"},
-    "/detokenize": {"tokens": [2, 5, 9]},
-}
+def bases(name: str) -> dict[str, dict]:
+    """Per route, a valid body for the served model `name`."""
+    return {
+        "/generate": {"text": "Hello", "sampling_params": {"max_new_tokens": 4}},
+        "/v1/completions": {"model": name, "prompt": "Hello", "max_tokens": 4},
+        "/v1/chat/completions": {"model": name, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4},
+        "/tokenize": {"prompt": "Hello"},
+        "/detokenize": {"tokens": [2, 5, 9]},
+    }
 
 
-def body_strategy(document: dict, path: str) -> st.SearchStrategy[bytes]:
+def body_strategy(document: dict, path: str, name: str) -> st.SearchStrategy[bytes]:
     schema = document["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
     drawn = from_schema(schema, document["components"]["schemas"])
     keys = list(document["components"]["schemas"][schema["$ref"].rsplit("/", 1)[1]]["properties"])
+    base = bases(name)[path]
 
     def overlay(body: dict, fields: list[str]) -> dict:
-        return {**BASES[path], **{key: body[key] for key in fields if key in body}}
+        return {**base, **{key: body[key] for key in fields if key in body}}
 
     def mutate(body: dict, key: str, value: object) -> dict:
         return {**body, key: value}
@@ -115,11 +121,11 @@ def _with_literal(body: dict, key: str, literal: str) -> bytes:
 
 
 @pytest.mark.parametrize("path", ROUTES)
-def test_generated_requests_never_get_a_5xx(server, document, client, path):
+def test_generated_requests_never_get_a_5xx(server, document, client, name, path):
     slowest_health, statuses = [0.0], collections.Counter()
 
     @FUZZ_SETTINGS
-    @given(body=body_strategy(document, path))
+    @given(body=body_strategy(document, path, name))
     def check(body: bytes) -> None:
         response = client.post(path, content=body, headers={"Content-Type": "application/json"})
         assert response.status_code < 500, (path, body[:300], response.text[:300])

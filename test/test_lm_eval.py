@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from serving_fixtures import PRESET, start_server
+from serving_fixtures import PRESET, wait_idle
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # lm-eval's HF backend runs transformers in this process
 
@@ -19,19 +19,17 @@ lm_eval_compare = pytest.importorskip("lm_eval_compare")
 pytest.importorskip("lm_eval")
 
 
-def test_lm_eval_through_srt_matches_its_hf_backend(tiny_checkpoint, tmp_path, monkeypatch):
-    model = tiny_checkpoint(PRESET)
+def test_lm_eval_through_srt_matches_its_hf_backend(shared_server, tiny_checkpoint, tmp_path, monkeypatch):
+    """Against the session's server (conftest.py: the default flags, a 1 MiB body limit lm-eval stays far under)."""
+    model, server = tiny_checkpoint(PRESET), shared_server
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     monkeypatch.chdir(TASK_DIR)  # the task files name their data by relative path
     tasks = ["srt_tiny_mc", "srt_tiny_gen"]
-    server = start_server(model, tmp_path / "server.log")
-    try:
-        srt_lm = lm_eval_compare.make_lm("local-completions", lm_eval_compare.srt_model_args(server.url, str(model)))
-        assert srt_lm.tokenizer_backend == "remote"  # found /tokenizer_info and /tokenize
-        srt = lm_eval_compare.evaluate(srt_lm, tasks, str(TASK_DIR))
-    finally:
-        server.stop()
+    srt_lm = lm_eval_compare.make_lm("local-completions", lm_eval_compare.srt_model_args(server.url, str(model)))
+    assert srt_lm.tokenizer_backend == "remote"  # found /tokenizer_info and /tokenize
+    srt = lm_eval_compare.evaluate(srt_lm, tasks, str(TASK_DIR))
+    wait_idle(server.url)  # and leaves the shared server as it found it
     hf = lm_eval_compare.evaluate(lm_eval_compare.make_lm("hf", lm_eval_compare.hf_model_args(str(model))), tasks, ".")
     result = lm_eval_compare.compare(srt, hf)
     print(result.summary())

@@ -1,7 +1,7 @@
 """Every bad request is refused cheaply, before any work, with a 4xx naming the field; the server keeps serving.
 
 Each case here is a finding of issue #29's fuzzing that once froze the server, answered 500 / 503, or was
-accepted and misbehaved. One server for the module (tiny E4B, cpu), with a 1 MiB body limit.
+accepted and misbehaved. The session's shared server (conftest.py: tiny E4B, cpu), with its 1 MiB body limit.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import json
 
 import httpx
 import pytest
-from serving_fixtures import PRESET, start_server
+from serving_fixtures import PRESET, wait_idle
 from transformers import AutoTokenizer
 
 BODY_LIMIT_MB = 1
@@ -23,11 +23,10 @@ def model(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("limits") / "server.log"
-    server = start_server(model, log, "--max-request-body-mb", str(BODY_LIMIT_MB))
-    yield server
-    server.stop()
+def server(shared_server):
+    """The session's server (conftest.py); this module leaves it idle with no slot leaked."""
+    yield shared_server
+    wait_idle(shared_server.url)
 
 
 @pytest.fixture(scope="module")

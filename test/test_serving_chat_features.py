@@ -11,7 +11,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from serving_fixtures import PRESET, openai_client, start_server
+from serving_fixtures import PRESET, openai_client, wait_idle
 from transformers import AutoTokenizer
 
 SCHEMA = {
@@ -48,10 +48,10 @@ def model(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    server = start_server(model, tmp_path_factory.mktemp("chat-features") / "server.log")
-    yield server
-    server.stop()
+def server(shared_server):
+    """The session's server (conftest.py); this module leaves it idle with no slot leaked."""
+    yield shared_server
+    wait_idle(shared_server.url)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""The HTTP server against the real `openai` client: one server for the module (tiny E4B, float32, cpu).
+"""The HTTP server against the real `openai` client: the session's shared server (conftest.py: tiny E4B, float32,
+cpu; its end checks that SIGTERM leaves no child process).
 
 Greedy outputs are checked against the scheduler run in this process on the same checkpoint, so the
 whole path (tokenize -> ZMQ -> scheduler -> detokenize -> HTTP) must not change a single token.
@@ -9,20 +10,17 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import time
 
 import httpx
 import openai
 import pytest
 from serving_fixtures import (
     PRESET,
-    alive,
-    child_pids,
     greedy_reference,
     openai_client,
     prompt_logprobs_reference,
     reference_scheduler,
-    start_server,
+    wait_idle,
 )
 from torch_threads import one_torch_thread
 from transformers import AutoTokenizer
@@ -39,10 +37,11 @@ def model(tiny_checkpoint):
 
 
 @pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    server = start_server(model, tmp_path_factory.mktemp("serving") / "server.log")
-    yield server
-    server.stop()
+def server(shared_server):
+    """The session's server (conftest.py), whose end checks that SIGTERM leaves no child process; this module
+    leaves it idle with no slot leaked."""
+    yield shared_server
+    wait_idle(shared_server.url)
 
 
 @pytest.fixture(scope="module")
@@ -229,17 +228,6 @@ def test_disconnect_while_waiting_for_a_whole_response(server, name):
     assert all(pool["in_use"] == 0 for pool in info["pools"].values())
 
 
-def wait_idle(url: str, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = httpx.get(f"{url}/server_info").json()
-        idle = info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
-        if idle and all(pool["in_use"] == 0 for pool in info["pools"].values()):
-            return info
-        assert time.monotonic() < deadline, f"not idle after {timeout} s: {info}"
-        time.sleep(0.2)
-
-
 BAD_REQUESTS = [
     ("/v1/completions", b'{"model": "M", "prompt": ', None),  # malformed JSON
     ("/v1/completions", {"prompt": 123}, "prompt"),
@@ -301,14 +289,3 @@ def test_metrics_and_server_info(server):
     info = wait_idle(server.url)
     assert info["server_args"]["context_length"] == 512 and set(info["pools"]) == {"full", "swa"}
     assert set(info["pools"]["full"]) >= {"total", "free", "cached", "in_use"}
-
-
-def test_sigterm_leaves_no_child_process(server):
-    children = child_pids(server.proc.pid)
-    assert len(children) >= 2  # scheduler and detokenizer (and multiprocessing's resource tracker)
-    code = server.stop()
-    assert code in (0, 128 + 15), server.log.read_text()[-3000:]  # uvicorn re-raises the SIGTERM it handled
-    deadline = time.monotonic() + 5  # orphans would live on; give exiting ones (resource tracker) a moment
-    while any(alive(child) for child in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [child for child in children if alive(child)], "children outlived the server"
