@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 import srt.models.gemma4_layers as gemma4_layers
 from srt.distributed.placement import RankPlace, free_loopback_address
+from srt.distributed.weight_shards import Shard, shard_row_scale
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.static_batch import generate_greedy
 from srt.server_args import ServerArgs
@@ -141,3 +142,29 @@ def test_two_gpus_match_one(tiny_checkpoint, place: dict[str, str]) -> None:
             what = f"{preset} rank {rank} (GPU, {place['dtype']})"
             print(f"{what}: relative RMS {moved:.1e} from one GPU (bound {bound:.1e})")
             assert moved <= bound, f"{preset} rank {rank}: {moved:.2e} from one GPU"
+
+
+FP8_REL_TOL = 3e-5  # E4B moves 5e-6 at 16 bits (above); a scale shard off by a row or block moves it by >1e-2
+
+
+def test_fp8_checkpoint_on_two_ranks(tmp_path) -> None:
+    """A per-channel FP8 checkpoint (compressed-tensors, kept in FP8): each rank reads its rows or columns of the
+    FP8 weights and the matching scales; the same tokens and logits as one rank."""
+    from srt.tools.make_checkpoint import make_checkpoint
+
+    checkpoint = make_checkpoint("tiny-gemma-4-E4B-it", tmp_path / "fp8", quantize="fp8-dynamic")
+    alone = generate_greedy(ModelRunner(_args(checkpoint, CPU)), PROMPTS, STEPS)
+    plain = torch.stack(alone.step_logits)
+    ranks = run_two_ranks({"fp8": checkpoint}, CPU)
+    for rank in range(2):
+        output_ids, logits = ranks["fp8", rank]
+        assert output_ids == alone.output_ids
+        assert _relative_rms(logits, plain) <= FP8_REL_TOL
+
+
+def test_block_scales_must_split_on_block_boundaries() -> None:
+    shard = Shard(1, (range(64, 128),), 64)
+    with pytest.raises(ValueError, match="does not start on its 128-column scale blocks"):
+        shard_row_scale(torch.ones(2, 2), shard, 200, (128, 128))
+    rows = shard_row_scale(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), Shard(0, (range(100, 160),), 60), 200, (128, 128))
+    assert rows.shape == (60, 2) and rows[27].tolist() == [1.0, 2.0] and rows[28].tolist() == [3.0, 4.0]

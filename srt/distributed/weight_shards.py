@@ -9,6 +9,9 @@
     embed_tokens, embed_tokens_per_layer, lm_head   this rank's vocabulary rows (the last rank's padded);
                                         an MTP assistant's table (its LM head) whole
     everything else (norms, router, per-layer gate/projection, vision tower)   whole, on every rank
+
+An FP8 weight's scale follows its weight (`shard_row_scale`): the rows of a row shard, the K blocks of a
+column shard; per-channel scales of a column shard stay whole.
 """
 
 from __future__ import annotations
@@ -83,6 +86,32 @@ def read_shard(tensor: TensorSlice, shard: Shard | None) -> torch.Tensor:
         pad[shard.dim] = missing
         out = torch.cat([out, out.new_zeros(pad)], dim=shard.dim)
     return out
+
+
+def shard_row_scale(
+    scale: torch.Tensor, shard: Shard | None, out_features: int, block: tuple[int, int] | None
+) -> torch.Tensor:
+    """This rank's part of an FP8 weight's checkpoint scale ([N, 1] per channel, [ceil(N/bo), ceil(K/bk)] per
+    block), in `Fp8Linear`'s row form: [rows, 1], or [rows, ceil(K/bk)] with each block row repeated over its
+    rows (so a shard of rows may start inside a block). `out_features`: the whole weight's N. A shard of K must
+    start and end on block boundaries (ValueError otherwise)."""
+    if block is None:
+        rows = scale.float().reshape(-1, 1)
+    else:
+        rows = scale.float().repeat_interleave(block[0], dim=0)[:out_features]
+    if shard is None:
+        return rows
+    if shard.dim == 0:
+        return torch.cat([rows[piece.start : piece.stop] for piece in shard.pieces])
+    if block is None:
+        return rows  # per-channel scales belong to output rows, which a K shard keeps whole
+    width = block[1]
+    if any(piece.start % width for piece in shard.pieces):
+        raise ValueError(
+            f"a {shard.size}-column tensor-parallel shard of a block-scaled FP8 weight does not start on its "
+            f"{width}-column scale blocks; use a --tp-size that splits K into multiples of {width}"
+        )
+    return torch.cat([rows[:, piece.start // width : -(-piece.stop // width)] for piece in shard.pieces], dim=1)
 
 
 def _even(dim: int, length: int, rank: int, size: int) -> Shard:

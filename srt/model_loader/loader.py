@@ -18,7 +18,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from srt.configs.model_config import ModelConfig
-from srt.distributed.weight_shards import read_shard, shard_of
+from srt.distributed.weight_shards import Shard, read_shard, shard_of, shard_row_scale
 from srt.layers.fp8_linear import Fp8Linear
 from srt.model_loader.fp8 import FP8, Fp8Scheme, dequantize, scheme_of_checkpoint
 from srt.model_loader.fp8_model import QUANTIZATIONS, quantize_model_fp8, use_fp8_projections
@@ -124,9 +124,8 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
     unexpected, mis_shaped = [], []
     audio = 0
     scheme = scheme_of_checkpoint(model_path)
-    if scheme is not None and config.tp_size > 1:
-        raise ValueError("FP8 checkpoints with --tp-size > 1 are not supported yet; serve them with --tp-size 1")
     fp8_weights: dict[str, torch.Tensor] = {}  # dequantized once every shard is read (scales may come later)
+    fp8_shards: dict[str, tuple[Shard | None, int]] = {}  # (this rank's shard, the whole N) of each FP8 weight
     fp8_scales: dict[str, torch.Tensor] = {}
     kept = 0
     files = safetensors_files(model_path)
@@ -148,13 +147,16 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
                 if name not in state:
                     unexpected.append(checkpoint_name)
                     continue
+                shard = None
                 if config.tp_size > 1:  # this rank's part only, read from the file as such
                     piece = handle.get_slice(checkpoint_name)
-                    tensor = read_shard(piece, shard_of(name, piece.get_shape(), config))
+                    shard = shard_of(name, piece.get_shape(), config)
+                    tensor = read_shard(piece, shard)
                 else:
                     tensor = handle.get_tensor(checkpoint_name)
                 if tensor.dtype == FP8:
                     fp8_weights[checkpoint_name] = tensor
+                    fp8_shards[checkpoint_name] = (shard, piece.get_shape()[0] if shard is not None else 0)
                     continue
                 if tuple(tensor.shape) != tuple(state[name].shape):
                     mis_shaped.append(f"{checkpoint_name}: {tuple(tensor.shape)} != {tuple(state[name].shape)}")
@@ -172,7 +174,11 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
         elif f"{name}_scale" in state:  # an Fp8Linear: the weight as it is, the scale in its row form
             module = model.get_submodule(name.removesuffix(".weight"))
             assert isinstance(module, Fp8Linear)
-            row_scale = module.scale_from_checkpoint(scale)
+            shard, whole_rows = fp8_shards[checkpoint_name]
+            if shard is None:
+                row_scale = module.scale_from_checkpoint(scale)
+            else:
+                row_scale = shard_row_scale(scale, shard, whole_rows, module.block)
             if tuple(row_scale.shape) != tuple(state[f"{name}_scale"].shape):
                 mis_shaped.append(f"{checkpoint_name}_scale: {tuple(scale.shape)} (scales of {module.extra_repr()})")
                 continue
@@ -180,6 +186,8 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
             state[f"{name}_scale"].copy_(row_scale)
             loaded.update((name, f"{name}_scale"))
             kept += 1
+        elif fp8_shards[checkpoint_name][0] is not None:
+            raise ValueError(f"{checkpoint_name}: a tensor-parallel shard of an FP8 weight is kept in FP8 only")
         else:
             state[name].copy_(dequantize(q, scale, scheme, state[name].dtype))
             loaded.add(name)
