@@ -168,3 +168,21 @@ def test_block_scales_must_split_on_block_boundaries() -> None:
         shard_row_scale(torch.ones(2, 2), shard, 200, (128, 128))
     rows = shard_row_scale(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), Shard(0, (range(100, 160),), 60), 200, (128, 128))
     assert rows.shape == (60, 2) and rows[27].tolist() == [1.0, 2.0] and rows[28].tolist() == [3.0, 4.0]
+
+
+def test_start_up_refuses_what_it_cannot_run() -> None:
+    from srt.distributed.ranks import rank_device
+
+    too_many = torch.cuda.device_count() + 1  # asking for more GPUs than the machine has names them
+    args = ServerArgs(model_path="m", device="cuda", tp_size=too_many)
+    with pytest.raises(RuntimeError, match=rf"needs GPUs 0\.\.{too_many - 1} on this node; torch sees {too_many - 1}"):
+        rank_device(args, RankPlace(0, too_many, 0))
+    for bad, phrase in (
+        ({"tp_size": 0}, "tp_size must be >= 1"),
+        ({"tp_size": 4, "nnodes": 3}, "nnodes must be >= 1 and divide tp_size 4"),
+        ({"tp_size": 2, "nnodes": 2}, "dist_init_addr"),
+        ({"tp_size": 2, "dist_init_addr": "nohost"}, "dist_init_addr must be HOST:PORT"),
+        ({"tp_size": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank must be in"),
+    ):
+        with pytest.raises(ValueError, match=phrase):
+            ServerArgs(model_path="m", **bad)
