@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
-from serving_fixtures import PRESET, child_pids, start_server
+from serving_fixtures import PRESET, child_pids, start_server, wait_idle
 
 REQUESTS = int(os.environ.get("SRT_SOAK_REQUESTS", "160"))
 WARM_UP = 40
@@ -97,18 +96,6 @@ def rss_mb(pid: int) -> float:
 def run(url: str, requests: list[dict]) -> list[tuple[str, int | None]]:
     with ThreadPoolExecutor(CLIENTS) as pool:
         return list(pool.map(lambda r: send(url, r), requests))
-
-
-def wait_idle(url: str, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = httpx.get(f"{url}/server_info", timeout=30).json()
-        idle = info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
-        pools = info["pools"].values()
-        if idle and all(p["in_use"] == 0 and p["free"] + p["cached"] == p["total"] for p in pools):
-            return info
-        assert time.monotonic() < deadline, f"not idle after {timeout} s: {info}"
-        time.sleep(0.2)
 
 
 def test_soak_mixed_requests_cancellations_and_timeouts(server):

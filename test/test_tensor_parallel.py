@@ -88,8 +88,17 @@ def run_two_ranks(
 
 
 @pytest.fixture(scope="module")
-def two_rank_outputs(tiny_checkpoint) -> dict[tuple[str, int], tuple[list[list[int]], torch.Tensor]]:
-    return run_two_ranks({preset: tiny_checkpoint(preset) for preset in VARIANTS}, CPU)
+def fp8_checkpoint(tmp_path_factory) -> Path:
+    """A per-channel FP8 tiny E4B (compressed-tensors, kept in FP8 when loaded)."""
+    from srt.tools.make_checkpoint import make_checkpoint
+
+    return make_checkpoint("tiny-gemma-4-E4B-it", tmp_path_factory.mktemp("fp8"), quantize="fp8-dynamic")
+
+
+@pytest.fixture(scope="module")
+def two_rank_outputs(tiny_checkpoint, fp8_checkpoint) -> dict[tuple[str, int], tuple[list[list[int]], torch.Tensor]]:
+    """Every CPU comparison's two-rank run, from one pair of rank processes."""
+    return run_two_ranks({**{preset: tiny_checkpoint(preset) for preset in VARIANTS}, "fp8": fp8_checkpoint}, CPU)
 
 
 def split_sums(x: torch.Tensor, linear: torch.nn.Linear, splits: int | None = None) -> torch.Tensor:
@@ -147,17 +156,13 @@ def test_two_gpus_match_one(tiny_checkpoint, place: dict[str, str]) -> None:
 FP8_REL_TOL = 3e-5  # E4B moves 5e-6 at 16 bits (above); a scale shard off by a row or block moves it by >1e-2
 
 
-def test_fp8_checkpoint_on_two_ranks(tmp_path) -> None:
+def test_fp8_checkpoint_on_two_ranks(fp8_checkpoint, two_rank_outputs) -> None:
     """A per-channel FP8 checkpoint (compressed-tensors, kept in FP8): each rank reads its rows or columns of the
     FP8 weights and the matching scales; the same tokens and logits as one rank."""
-    from srt.tools.make_checkpoint import make_checkpoint
-
-    checkpoint = make_checkpoint("tiny-gemma-4-E4B-it", tmp_path / "fp8", quantize="fp8-dynamic")
-    alone = generate_greedy(ModelRunner(_args(checkpoint, CPU)), PROMPTS, STEPS)
+    alone = generate_greedy(ModelRunner(_args(fp8_checkpoint, CPU)), PROMPTS, STEPS)
     plain = torch.stack(alone.step_logits)
-    ranks = run_two_ranks({"fp8": checkpoint}, CPU)
     for rank in range(2):
-        output_ids, logits = ranks["fp8", rank]
+        output_ids, logits = two_rank_outputs["fp8", rank]
         assert output_ids == alone.output_ids
         assert _relative_rms(logits, plain) <= FP8_REL_TOL
 

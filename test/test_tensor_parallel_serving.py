@@ -1,6 +1,7 @@
-"""Tensor parallelism behind the serving processes, on CPUs (gloo): an Engine with two ranks gives the tokens
-one rank gives alone, with chunked prefill, mixed batches and the radix cache at work; two "nodes" of one rank
-each on loopback give them too; a rank that dies fails the requests with a clear error and leaves no process.
+"""Tensor parallelism behind the serving processes, on CPUs (gloo): two "nodes" of one rank each on loopback
+give the tokens one rank gives alone, with chunked prefill, mixed batches and the radix cache at work; so does
+one Engine with two ranks and the MTP assistant (its greedy tokens are the target's), and no process outlives
+it; a rank that dies fails the requests with a clear error and leaves no process.
 """
 
 from __future__ import annotations
@@ -71,16 +72,6 @@ def _output_ids(engine: Engine) -> list[list[int]]:
     return [out["output_ids"] for out in outputs]
 
 
-def test_engine_with_two_ranks(model, expected) -> None:
-    before = child_pids(os.getpid())
-    with Engine(model_path=str(model), tp_size=2, **TP_ARGS) as engine:
-        assert sorted(engine._processes.children) == ["detokenizer", "scheduler", "scheduler-1"]
-        assert _output_ids(engine) == expected
-        assert _output_ids(engine) == expected  # again, from the radix cache's prefixes
-        started = _started_children(before)
-    _assert_gone(started, 10)
-
-
 def test_two_nodes_on_loopback(model, expected) -> None:
     address = free_loopback_address()
     node_args = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", address]
@@ -95,6 +86,7 @@ def test_two_nodes_on_loopback(model, expected) -> None:
         with Engine(model_path=str(model), tp_size=2, nnodes=2, node_rank=0, dist_init_addr=address, **TP_ARGS) as e:
             assert sorted(e._processes.children) == ["detokenizer", "scheduler"]
             assert _output_ids(e) == expected
+            assert _output_ids(e) == expected  # again, from the radix cache's prefixes
         assert node1.wait(30) == 0  # node 1's rank ends with node 0's
     finally:
         if node1.poll() is None:
@@ -118,7 +110,11 @@ def test_mtp_with_two_ranks(model, expected, tiny_checkpoint) -> None:
     """The assistant's heads split as the target's: its layers read each rank's own KV heads; greedy outputs
     stay the target's own."""
     assistant = tiny_checkpoint(f"{PRESET}-assistant")
+    before = child_pids(os.getpid())
     with Engine(model_path=str(model), tp_size=2, speculative_draft_model_path=str(assistant), **TP_ARGS) as engine:
+        assert sorted(engine._processes.children) == ["detokenizer", "scheduler", "scheduler-1"]
         outputs = engine.generate(input_ids=PROMPTS, sampling_params=GREEDY)
+        started = _started_children(before)
     assert [out["output_ids"] for out in outputs] == expected
     assert sum(out["meta_info"]["spec_verify_ct"] for out in outputs) > 0
+    _assert_gone(started, 10)
