@@ -1,7 +1,9 @@
-"""A server whose scheduler or detokenizer dies says so and, by default, exits (issue #29, item 5).
+"""A server whose scheduler, a tensor-parallel rank or the detokenizer dies says so and, by default, exits
+(issue #29, item 5).
 
-With --exit-on-child-death (the default), the scheduler killed: open streams end with an error event and
-`[DONE]`, the server exits with status 1 within seconds, and no process or socket file is left behind. With
+With --exit-on-child-death (the default), the scheduler (or, with --tp-size 2, rank 1) killed: open streams
+end with an error event and `[DONE]`, the server exits with status 1 within seconds, and no process or socket
+file is left behind. With
 --no-exit-on-child-death, the detokenizer killed: the server stays up, /health answers 503, every request a
 503 error, /server_info a 503 at once, and the cut stream counts as an abort in the metrics. Its main process
 then killed by SIGKILL leaves nothing behind either: the scheduler notices and removes the socket files.
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from serving_fixtures import PRESET, Server, alive, child_pids, start_server
 
 EXIT_BOUND_S = 10  # "exits within seconds", with room for a loaded 2-core machine
@@ -79,9 +82,14 @@ def assert_nothing_left(children: list[int], tmp_path: Path) -> None:
     assert not list((tmp_path / "tmp").glob("srt-ipc-*")), "socket files left behind"
 
 
-def test_a_dead_scheduler_ends_open_streams_with_an_error_and_the_server_exits_1(tiny_checkpoint, tmp_path):
-    victim = "scheduler"
-    server = start_in_tmpdir(tiny_checkpoint(PRESET), tmp_path)
+@pytest.mark.parametrize(
+    ("victim", "extra"), [("scheduler", ()), ("scheduler-1", ("--tp-size", "2"))], ids=["scheduler", "tp-rank-1"]
+)
+def test_a_dead_scheduler_ends_open_streams_with_an_error_and_the_server_exits_1(
+    tiny_checkpoint, tmp_path, victim: str, extra: tuple[str, ...]
+):
+    """The scheduler, or under tensor parallelism a rank other than 0 (rank 0 then fails in its next collective)."""
+    server = start_in_tmpdir(tiny_checkpoint(PRESET), tmp_path, *extra)
     children = sorted(child_pids(server.proc.pid))
     try:
         stream = StreamReader(server.url)
