@@ -3,10 +3,10 @@
 
 With --exit-on-child-death (the default), the scheduler (or, with --tp-size 2, rank 1) killed: open streams
 end with an error event and `[DONE]`, the server exits with status 1 within seconds, and no process or socket
-file is left behind. With
---no-exit-on-child-death, the detokenizer killed: the server stays up, /health answers 503, every request a
-503 error, /server_info a 503 at once, and the cut stream counts as an abort in the metrics. Its main process
-then killed by SIGKILL leaves nothing behind either: the scheduler notices and removes the socket files.
+file is left behind. With --no-exit-on-child-death, the detokenizer killed: the server stays up, /health
+answers 503, every request a 503 error, /server_info a 503 at once, and the cut stream counts as an abort in
+the metrics. Its main process then killed by SIGKILL leaves nothing behind either: the scheduler notices and
+removes the socket files.
 
 Each test starts its own server: the module-wide one of test_serving_openai.py must stay healthy.
 """
