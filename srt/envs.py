@@ -72,6 +72,13 @@ def simulated_accept_len() -> float | None:
     return accept_len
 
 
+def step_shaping_values() -> dict[str, str | None]:
+    """The switches (and the simulated accept length) as set in this process: what tensor-parallel ranks must
+    agree on, since they change which kernels and collectives a step runs."""
+    names = [switch.name for switch in SWITCHES if switch is not SRT_DEBUG_KV_INDICES] + [SRT_SIMULATE_ACCEPT_LEN]
+    return {name: os.environ.get(name) for name in names}
+
+
 def cache_home() -> Path:
     """Where srt caches files it builds (the dummy presets' stand-in tokenizers): $XDG_CACHE_HOME/srt, by
     default ~/.cache/srt."""

@@ -265,6 +265,8 @@ class ServerArgs:
             raise ValueError(f"nnodes must be >= 1 and divide tp_size {self.tp_size}; got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, {self.nnodes - 1}]; got {self.node_rank}")
+        if self.tp_size > 1 and self.dequantize_fp8_weights:
+            raise ValueError("dequantize_fp8_weights is a one-rank reference path; with tp_size > 1 FP8 stays FP8")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("dist_init_addr (HOST:PORT of node 0) is needed when nnodes > 1")
         if self.dist_init_addr is not None and not _is_host_port(self.dist_init_addr):

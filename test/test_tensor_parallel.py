@@ -188,6 +188,37 @@ def test_start_up_refuses_what_it_cannot_run() -> None:
         ({"tp_size": 2, "nnodes": 2}, "dist_init_addr"),
         ({"tp_size": 2, "dist_init_addr": "nohost"}, "dist_init_addr must be HOST:PORT"),
         ({"tp_size": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank must be in"),
+        ({"tp_size": 2, "dequantize_fp8_weights": True}, "one-rank reference path"),
     ):
         with pytest.raises(ValueError, match=phrase):
             ServerArgs(model_path="m", **bad)
+
+
+def _join_main(address: str, rank: int, yoco: str | None, results: mp.Queue) -> None:
+    import os
+
+    from srt.distributed.ranks import TensorParallelGroup
+
+    if yoco is not None:
+        os.environ["GEMMA4_YOCO"] = yoco
+    try:
+        TensorParallelGroup(_args(Path("m"), CPU, tp_size=2, dist_init_addr=address), RankPlace(rank, 2, rank))
+        results.put((rank, "joined"))
+    except ValueError as error:
+        results.put((rank, str(error)))
+
+
+def test_ranks_with_other_switches_all_refuse_to_start() -> None:
+    """A rank whose environment switches differ from rank 0's (here GEMMA4_YOCO, which changes a step's
+    collectives) fails start-up naming them, and rank 0 fails too instead of waiting in its first step."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    address = free_loopback_address()
+    procs = [ctx.Process(target=_join_main, args=(address, r, None if r == 0 else "0", results)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    outcome = dict(results.get(timeout=120) for _ in procs)
+    for proc in procs:
+        proc.join(30)
+    assert "GEMMA4_YOCO='0' (rank 0: None)" in outcome[1], outcome
+    assert "another rank was started with other arguments" in outcome[0], outcome

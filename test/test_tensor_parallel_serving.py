@@ -118,3 +118,8 @@ def test_mtp_with_two_ranks(model, expected, tiny_checkpoint) -> None:
     assert [out["output_ids"] for out in outputs] == expected
     assert sum(out["meta_info"]["spec_verify_ct"] for out in outputs) > 0
     _assert_gone(started, 10)
+
+
+def test_an_engine_is_never_a_follower_node(model) -> None:
+    with pytest.raises(ValueError, match="start it with launch_server"):
+        Engine(model_path=str(model), tp_size=2, nnodes=2, node_rank=1, dist_init_addr="127.0.0.1:1", **TP_ARGS)

@@ -19,15 +19,21 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from srt import envs
 from srt.distributed.placement import RankPlace
 from srt.server_args import ServerArgs
 
-# what may differ between the nodes of one server; every other argument decides what each rank computes
-PER_NODE_ARGS = ("node_rank", "base_gpu_id", "host", "port", "log_level", "log_interval")
+# what may differ between the nodes of one server (paths name the same checkpoint wherever it lies on each node);
+# every other argument decides what each rank computes
+PER_NODE_ARGS = (
+    "node_rank", "base_gpu_id", "host", "port", "log_level", "log_interval",
+    "model_path", "tokenizer_path", "speculative_draft_model_path", "allowed_local_media_path",
+)  # fmt: skip
 
 # A rank waits this long for the others inside a collective before it fails (an idle rank 0 still broadcasts
-# every second, so only a stuck or dead rank gets there).
-COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+# every second, so only a stuck or dead rank gets there); as long as start-up may take, since loading a large
+# checkpoint from a slow disk sits between the first collectives.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def rank_device(server_args: ServerArgs, place: RankPlace) -> torch.device:
@@ -74,19 +80,27 @@ class TensorParallelGroup:
         self._check_same_args(server_args)
 
     def _check_same_args(self, server_args: ServerArgs) -> None:
-        """ValueError on a rank whose arguments differ from rank 0's where they decide the steps (another
-        node started with another --chunked-prefill-size would schedule other steps and desynchronise)."""
-        box = [server_args]
+        """ValueError on every rank when one was started with other arguments or environment switches than rank
+        0 where they decide the steps (a node with another --chunked-prefill-size or GEMMA4_YOCO would run other
+        steps and desynchronise); the rank that differs names what."""
+        mine = (server_args, envs.step_shaping_values())
+        box = [mine]
         dist.broadcast_object_list(box, src=0, group=self.control)
-        first = box[0]
+        first_args, first_env = box[0]
         differ = [
-            f"--{f.name.replace('_', '-')} {getattr(server_args, f.name)!r} (rank 0: {getattr(first, f.name)!r})"
+            f"--{f.name.replace('_', '-')} {getattr(server_args, f.name)!r} (rank 0: {getattr(first_args, f.name)!r})"
             for f in dataclasses.fields(ServerArgs)
-            if f.name not in PER_NODE_ARGS and getattr(server_args, f.name) != getattr(first, f.name)
+            if f.name not in PER_NODE_ARGS and getattr(server_args, f.name) != getattr(first_args, f.name)
         ]
+        differ += [f"{name}={value!r} (rank 0: {first_env[name]!r})" for name, value in mine[1].items()
+                   if value != first_env[name]]  # fmt: skip
+        flag = torch.tensor([len(differ)], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
         if differ:
             rank = self.place.rank
             raise ValueError(f"rank {rank} was started with other arguments than rank 0: {'; '.join(differ)}")
+        if flag.item():
+            raise ValueError("another rank was started with other arguments than rank 0 (its log names them)")
 
     def share(self, inputs: StepInputs | None) -> StepInputs:
         """Rank 0 passes its inputs and gets them back; every other rank passes None and gets rank 0's."""

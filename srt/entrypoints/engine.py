@@ -43,6 +43,8 @@ class Engine:
 
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
         self.server_args = make_server_args(model_path, **server_args)
+        if self.server_args.node_rank > 0:
+            raise ValueError("node_rank > 0 runs only that node's ranks: start it with launch_server, not an Engine")
         tokenizer = load_tokenizer(self.server_args)
         self._processes: ServingProcesses | None = launch_processes(self.server_args)
         self._loop = asyncio.new_event_loop()

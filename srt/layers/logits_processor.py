@@ -18,13 +18,21 @@ class LogitsOutput(NamedTuple):
 
 
 def compute_logits(
-    hidden: torch.Tensor, lm_head_weight: torch.Tensor, softcap: float | None, tp_size: int = 1, vocab: int = 0
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    softcap: float | None,
+    tp_size: int = 1,
+    vocab: int | None = None,
 ) -> Logits:
     """softcap * tanh(hidden @ W^T / softcap), in float32; on GPU with each row's argmax, found by the softcap
     kernel as it writes the logits (greedy sampling then reads no [rows, vocab] tensor again). Under tensor
     parallelism W is this rank's vocabulary slice: the products of every rank are gathered (the first
     `vocab` columns) before the softcap."""
-    logits = gather_vocab(hidden @ lm_head_weight.T, tp_size, vocab)
+    logits = hidden @ lm_head_weight.T
+    if tp_size > 1:
+        if vocab is None:
+            raise ValueError("compute_logits under tensor parallelism needs the vocabulary size")
+        logits = gather_vocab(logits, tp_size, vocab)
     if softcap is None:
         return Logits(logits.float(), None)
     return softcap_logits(logits, softcap, with_argmax=True)

@@ -121,6 +121,7 @@ class SchedulerLoop:
         self.port_args = port_args
 
     def info(self) -> SchedulerInfo:
+        """What the tokenizer side needs to know of the model and its pools (the ready report's payload)."""
         runner = self.scheduler.runner
         return SchedulerInfo(
             context_len=runner.context_len,
@@ -230,23 +231,29 @@ class FollowerLoop:
         self.group = group
 
     def info(self) -> None:
+        """Nothing: rank 0 reports the server's figures."""
         return None
 
     def run(self, parent_pid: int) -> None:
         scheduler = self.scheduler
         busy = False
         while True:
-            inputs = self.group.share(None)  # blocks until rank 0's next iteration (at least every second)
-            if inputs.stop or not parent_alive(parent_pid):
-                logger.info("rank 0 or the parent process is gone; exiting")
+            # checked before taking part in another step, never inside one (rank 0 would wait in a collective for
+            # a rank that left): rank 0's next broadcast then fails and it exits too
+            if not parent_alive(parent_pid):
+                logger.info("the parent process is gone; exiting")
                 return
+            inputs = self.group.share(None)  # blocks until rank 0's next iteration (at least every second)
+            if inputs.stop:
+                logger.info("rank 0 stopped; exiting")
+                return
+            scheduler.drop_waiting(inputs.expired)  # rank 0's order: expired requests first, then the messages
             for message in inputs.messages:
                 if isinstance(message, TokenizedGenerateReq):
                     with contextlib.suppress(ValueError):  # rank 0 answers it with the same error
                         scheduler.add_request(message)
                 elif isinstance(message, AbortReq):
                     scheduler.abort(message.rid)
-            scheduler.drop_waiting(inputs.expired)
             if scheduler.has_work():
                 busy = True
                 scheduler.step()

@@ -194,8 +194,16 @@ class ModelRunner:
     def draft(self, requests: DraftRequests) -> torch.Tensor:
         """[batch, K] MTP draft tokens (FROZEN_KV_MTP); the drafter reads the target's KV, writes none."""
         if self.draft_graphs is not None and self.draft_graphs.can_run(len(requests.kv_lens)):
-            return self.draft_graphs(requests)
-        return self.drafter.draft(requests, self.req_to_token_pool, self.kv_pool, self.attn_backend)
+            return self._rank_0s(self.draft_graphs(requests))
+        return self._rank_0s(self.drafter.draft(requests, self.req_to_token_pool, self.kv_pool, self.attn_backend))
+
+    def _rank_0s(self, drafts: torch.Tensor) -> torch.Tensor:
+        """Under tensor parallelism, rank 0's drafts on every rank. The assistant's argmax runs on each rank's own
+        hidden state, which rounding may leave a last bit apart (the vision tower's atomic pooling), and a near
+        tie decided differently would verify different drafts and desynchronise the ranks' KV lengths."""
+        if self.tp is not None:
+            torch.distributed.broadcast(drafts, src=0)
+        return drafts
 
     def draft_ahead(
         self, newest: torch.Tensor, hidden: torch.Tensor, kv_lens: torch.Tensor, rows: list[int]
@@ -206,7 +214,7 @@ class ModelRunner:
         if graphs is None or not graphs.can_run(len(rows)):
             return None
         row_ids = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
-        return graphs.on_device(newest, hidden, kv_lens, row_ids)
+        return self._rank_0s(graphs.on_device(newest, hidden, kv_lens, row_ids))
 
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
         """Logits of `batch.logits_rows`; KV of the batch's new tokens is written to the pools.

@@ -187,7 +187,7 @@ def load_safetensors(model: Gemma4ForCausalLM, config: ModelConfig, model_path: 
             loaded.update((name, f"{name}_scale"))
             kept += 1
         elif fp8_shards[checkpoint_name][0] is not None:
-            raise ValueError(f"{checkpoint_name}: a tensor-parallel shard of an FP8 weight is kept in FP8 only")
+            raise ValueError(f"{checkpoint_name}: tensor-parallel ranks keep their shards of FP8 projections in FP8")
         else:
             state[name].copy_(dequantize(q, scale, scheme, state[name].dtype))
             loaded.add(name)
