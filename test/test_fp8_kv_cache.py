@@ -23,10 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_mtp_drafter import prefill_prompts
 
 from srt.configs.model_config import ModelConfig
 from srt.entrypoints.launch_server import parse_args
-from srt.forward.forward_batch import ForwardBatch, ForwardMode
 from srt.kernels.kv_quant import FP8_KV_DTYPE
 from srt.layers.attention.triton_backend import TritonAttentionBackend
 from srt.mem_cache.allocator import SWATokenAllocator
@@ -185,22 +185,7 @@ def test_mtp_drafts_over_fp8_kv_match_the_reference_backend(tiny_checkpoint, tmp
     assistant = tiny_checkpoint("tiny-gemma-4-E4B-it-assistant")
     runner = runner_for(path, "fp8_e4m3", speculative_draft_model_path=str(assistant), speculative_num_steps=2)
     batch_prompts = prompts(runner.model_config.vocab_size)
-    rows = [runner.req_to_token_pool.alloc() for _ in batch_prompts]
-    slots = runner.token_allocator.alloc(sum(PROMPT_LENS))
-    starts = [sum(PROMPT_LENS[:i]) for i in range(len(PROMPT_LENS))]
-    for row, start, n in zip(rows, starts, PROMPT_LENS, strict=True):
-        runner.req_to_token_pool.write(row, 0, slots[start : start + n])
-    prefill = ForwardBatch.build(
-        ForwardMode.EXTEND,
-        batch_prompts,
-        [0] * len(rows),
-        rows,
-        slots,
-        [start + n - 1 for start, n in zip(starts, PROMPT_LENS, strict=True)],
-        runner.req_to_token_pool,
-        runner.kv_pool,
-    )
-    output = runner.forward(prefill)  # the FP8 cache both backends then read
+    rows, _, output = prefill_prompts(runner, batch_prompts)  # the FP8 cache both backends then read
     kv_before = [t.clone() for t in (*runner.kv_pool._k.values(), *runner.kv_pool._v.values())]
     requests = DraftRequests(output.logits.argmax(dim=-1), output.hidden_states.clone(), list(PROMPT_LENS), rows)
     drafts = {

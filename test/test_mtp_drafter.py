@@ -19,6 +19,7 @@ from srt.configs.assistant_config import AssistantConfig
 from srt.configs.model_config import ModelConfig
 from srt.entrypoints.launch_server import parse_args
 from srt.forward.forward_batch import ForwardBatch, ForwardMode
+from srt.layers.logits_processor import LogitsOutput
 from srt.model_executor.model_runner import ModelRunner
 from srt.server_args import ServerArgs
 from srt.speculative.frozen_kv_mtp import DraftRequests
@@ -84,22 +85,7 @@ def test_drafts_equal_transformers_for_a_batch(variant, backend, tiny_checkpoint
     assert args.speculative_algorithm == "FROZEN_KV_MTP"  # picked from the draft's config
     runner = ModelRunner(args)
     batch_prompts = prompts(runner.model_config.vocab_size)
-    rows = [runner.req_to_token_pool.alloc() for _ in batch_prompts]
-    slots = runner.token_allocator.alloc(sum(PROMPT_LENS))
-    starts = [sum(PROMPT_LENS[:i]) for i in range(len(PROMPT_LENS))]
-    for row, start, n in zip(rows, starts, PROMPT_LENS, strict=True):
-        runner.req_to_token_pool.write(row, 0, slots[start : start + n])
-    prefill = ForwardBatch.build(
-        ForwardMode.EXTEND,
-        batch_prompts,
-        [0] * len(rows),
-        rows,
-        slots,
-        [start + n - 1 for start, n in zip(starts, PROMPT_LENS, strict=True)],
-        runner.req_to_token_pool,
-        runner.kv_pool,
-    )
-    output = runner.forward(prefill)
+    rows, slots, output = prefill_prompts(runner, batch_prompts)
     hidden, next_tokens = output.hidden_states.clone(), output.logits.argmax(dim=-1)
     kv_before = [t.clone() for t in (*runner.kv_pool._k.values(), *runner.kv_pool._v.values())]
 
@@ -119,6 +105,22 @@ def test_drafts_equal_transformers_for_a_batch(variant, backend, tiny_checkpoint
         runner.req_to_token_pool.free(row)
     runner.kv_pool.check_integrity()
     runner.req_to_token_pool.check_integrity()
+
+
+def prefill_prompts(runner: ModelRunner, prompts: list[list[int]]) -> tuple[list[int], torch.Tensor, LogitsOutput]:
+    """(request rows, KV slots, output) of one prefill of `prompts`, each in a fresh row (a draft's starting point);
+    the caller frees the rows and slots."""
+    lens = [len(prompt) for prompt in prompts]
+    rows = [runner.req_to_token_pool.alloc() for _ in prompts]
+    slots = runner.token_allocator.alloc(sum(lens))
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    for row, start, n in zip(rows, starts, lens, strict=True):
+        runner.req_to_token_pool.write(row, 0, slots[start : start + n])
+    last_rows = [start + n - 1 for start, n in zip(starts, lens, strict=True)]
+    batch = ForwardBatch.build(
+        ForwardMode.EXTEND, prompts, [0] * len(rows), rows, slots, last_rows, runner.req_to_token_pool, runner.kv_pool
+    )
+    return rows, slots, runner.forward(batch)
 
 
 def test_dummy_weights_draft_from_presets():
