@@ -7,28 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_fp8_linear import fp8_layer, relative_error
 
 from srt.kernels.decode_gemm import GATED, GemmTiles, tiles_for
 from srt.kernels.decode_gemm_fp8 import decode_fp8_applies, decode_fp8_tiles, decode_gelu_mlp_fp8, decode_linear_fp8
 from srt.kernels.gelu_mul import gelu_tanh_mul_packed
 from srt.kernels.triton_support import kernel_runs_on
 from srt.layers.fp8_linear import Fp8Linear
-from srt.model_loader.fp8 import Fp8Scheme, quantize
 
 SMALL_TILES = GemmTiles(64, 64, 2)
-
-
-def fp8_layer(n: int, k: int, strategy: str, device: str = "cpu") -> Fp8Linear:
-    weight = torch.randn(n, k, generator=torch.Generator(device).manual_seed(n + k), device=device) / k**0.5
-    q, scale = quantize(weight, Fp8Scheme(strategy))
-    layer = Fp8Linear(k, n, None if strategy == "channel" else (128, 128), device=device)
-    layer.weight.copy_(q)
-    layer.weight_scale.copy_(layer.scale_from_checkpoint(scale))
-    return layer
-
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((got.float() - expected.float()).abs().max() / expected.float().abs().max())
 
 
 def check(x: torch.Tensor, layer: Fp8Linear, splits: int | str, tiles: GemmTiles | None = None) -> float:
@@ -49,7 +36,7 @@ def check(x: torch.Tensor, layer: Fp8Linear, splits: int | str, tiles: GemmTiles
 
 
 def test_never_applies_off_cuda() -> None:
-    layer = fp8_layer(256, 256, "channel")
+    layer = fp8_layer(256, 256, "channel", seed=256 + 256)
     x = torch.randn(4, 256).bfloat16()
     assert not any(decode_fp8_applies(x, layer.weight, layer.block_k, s) for s in (1, 4, GATED))
 
@@ -65,7 +52,7 @@ def test_tiles_take_twice_the_bf16_k_where_chunks_and_scale_blocks_allow() -> No
 @pytest.mark.parametrize("strategy", ["channel", "block"])
 def test_interpreted_kernel_matches_the_dequantized_reference(strategy: str) -> None:
     """Rows 3 of 16, K 512 (four 128-column scale blocks, so block scales change inside a K-chunk's loop)."""
-    layer = fp8_layer(128, 512, strategy)
+    layer = fp8_layer(128, 512, strategy, seed=128 + 512)
     if not kernel_runs_on(torch.device("cpu"), decode_linear_fp8.__globals__["_decode_gemm_fp8_kernel"]):
         pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1)")
     torch.manual_seed(0)
@@ -89,7 +76,7 @@ def test_kernel_at_real_shapes_in_a_graph(strategy: str, rows: int) -> None:
     if not decode_fp8_applies(torch.empty(1, 2560, device="cuda").bfloat16(), torch.empty(256, 2560), 2560, 1):
         pytest.skip("needs TMA (Hopper) and Triton's tensor descriptors")
     for n, k, splits in REAL_SHAPES:
-        layer = fp8_layer(n, k, strategy, "cuda")
+        layer = fp8_layer(n, k, strategy, "cuda", seed=n + k)
         x = torch.randn(rows, k, device="cuda").bfloat16()
         assert decode_fp8_applies(x, layer.weight, layer.block_k, splits), (n, k, splits)
         source = torch.zeros_like(x)
