@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import time
 import traceback
 from multiprocessing.connection import Connection
@@ -65,14 +66,14 @@ def run_scheduler_process(
     except Exception:
         report(ready_pipe, ReadyReport(ok=False, error=traceback.format_exc()))
         return
+    if group is not None:
+        # SIGTERM (the server's shutdown) must not unwind a rank inside a collective: a broadcast cut between its
+        # size and its bytes, followed by rank 0's stop broadcast, hands the others garbage (seen in CI). Rank 0
+        # stops at the top of its next iteration and tells the others; they end when it does.
+        signal.signal(signal.SIGTERM, lambda signum, frame: loop.request_stop())
     report(ready_pipe, ReadyReport(ok=True, info=loop.info()))
     try:
         loop.run(parent_pid)
-    except SystemExit:  # SIGTERM (the server's shutdown): rank 0 tells the other ranks to end too
-        if group is not None and group.place.is_first:
-            with contextlib.suppress(RuntimeError):
-                group.share(StepInputs([], [], stop=True))
-        raise
     finally:
         if group is not None:
             group.close()
@@ -119,6 +120,11 @@ class SchedulerLoop:
         self.status_log = StatusLog(server_args.log_interval)
         self.request_timeout = server_args.request_timeout
         self.port_args = port_args
+        self.stop_requested = False
+
+    def request_stop(self) -> None:
+        """End the loop at the top of its next iteration (within a second when idle), between steps."""
+        self.stop_requested = True
 
     def info(self) -> SchedulerInfo:
         """What the tokenizer side needs to know of the model and its pools (the ready report's payload)."""
@@ -137,6 +143,11 @@ class SchedulerLoop:
         busy = False
         last_parent_check = time.monotonic()
         while True:
+            if self.stop_requested:
+                logger.info("stopping")
+                if self.group is not None:
+                    self.group.share(StepInputs([], [], stop=True))
+                return
             messages = self._recv_all(block=not self.scheduler.has_work())
             expired = self._expire_waiting()
             if self.group is not None:  # the other ranks apply the same inputs before the same step
@@ -233,6 +244,11 @@ class FollowerLoop:
     def info(self) -> None:
         """Nothing: rank 0 reports the server's figures."""
         return None
+
+    def request_stop(self) -> None:
+        """Nothing: a rank ends when rank 0 says so (or its parent is gone), never in the middle of a step that
+        rank 0 runs; its parent kills it after the shutdown's grace period if rank 0 does not stop."""
+        logger.info("SIGTERM: ending when rank 0 stops")
 
     def run(self, parent_pid: int) -> None:
         scheduler = self.scheduler
