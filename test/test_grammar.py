@@ -111,6 +111,23 @@ def test_accept_rollback_and_draft_checks(compiler, matchers, tokenizer):
         grammar.catch_up([*ids, bad[0]])
 
 
+def test_strings_stay_utf8_where_xgrammar_takes_surrogate_bytes(compiler, matchers, tokenizer):
+    """xgrammar takes ED A0 80 (U+D800, not UTF-8) inside a JSON string; the guard masks and refuses the A0."""
+    vocab = tokenizer_info(tokenizer, VOCAB, STOP_IDS).decoded_vocab
+    byte_token = {text[0]: i for i, text in enumerate(vocab) if len(text) == 1}
+    grammar = matchers.matcher(compiler.compile("json_schema", json.dumps(SCHEMA)))
+    opening = tokenizer('{"city": "', add_special_tokens=False)["input_ids"]
+    assert grammar.accept_tokens(opening) == len(opening)
+    assert grammar.valid_prefix_len([byte_token[0xED], byte_token[0xA0], byte_token[0x80]]) == 1
+    assert grammar.valid_prefix_len([byte_token[0xED], byte_token[0x9F], byte_token[0xBF]]) == 3  # U+D7FF
+    grammar.accept_tokens([byte_token[0xED]])
+    after_ed = set(allowed(grammar))
+    assert byte_token[0x80] in after_ed and byte_token[0x9F] in after_ed
+    assert not any(vocab[i][0] in range(0xA0, 0xC0) for i in after_ed)
+    grammar.rollback(1)  # the whole mask again once ED is taken back
+    assert byte_token[0xA0] not in allowed(grammar) and len(allowed(grammar)) > len(after_ed)
+
+
 def test_sampler_masks_constrained_rows_and_leaves_free_rows_alone(compiler, matchers, tokenizer):
     torch.manual_seed(0)
     logits = torch.randn(3, VOCAB)

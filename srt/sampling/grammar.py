@@ -91,21 +91,56 @@ class GrammarMatchers:
     def __init__(self, load_info: Callable[[], xgr.TokenizerInfo]) -> None:
         self.load_info = load_info
         self._info: xgr.TokenizerInfo | None = None
+        self._guard: Utf8Guard | None = None
 
     def matcher(self, serialized: str) -> RequestGrammar:
         if self._info is None:
             self._info = self.load_info()
-        return RequestGrammar(xgr.CompiledGrammar.deserialize_json(serialized, self._info))
+            self._guard = Utf8Guard(self._info.decoded_vocab, self._info.vocab_size)
+        return RequestGrammar(xgr.CompiledGrammar.deserialize_json(serialized, self._info), self._guard)
+
+
+# second bytes that make ED xx xx a UTF-16 surrogate (U+D800..U+DFFF), which UTF-8 forbids
+_SURROGATE_SECOND_BYTES = range(0xA0, 0xC0)
+
+
+class Utf8Guard:
+    """What xgrammar (0.2.8) lets through that is not UTF-8: it takes ED A0..BF xx, the bytes of a UTF-16
+    surrogate, as a character of a string or class. Decoded, they become U+FFFD in the reply (and break a
+    schema's maxLength: seen at temperature 1 on a tiny checkpoint). After an output ending in the lead byte ED
+    (every byte-level or byte-fallback vocabulary has it alone), tokens starting with A0..BF are not allowed."""
+
+    def __init__(self, decoded_vocab: Sequence[bytes], vocab_size: int) -> None:
+        self.ends_in_ed = frozenset(i for i, text in enumerate(decoded_vocab) if text.endswith(b"\xed"))
+        self.surrogate_tails = frozenset(
+            i for i, text in enumerate(decoded_vocab) if text and text[0] in _SURROGATE_SECOND_BYTES
+        )
+        banned = torch.zeros(-(-vocab_size // 32) * 32, dtype=torch.int64)
+        banned[sorted(self.surrogate_tails)] = 1
+        allowed = ~(banned.view(-1, 32) << torch.arange(32)).sum(dim=1) & 0xFFFFFFFF
+        allowed[allowed >= 2**31] -= 2**32  # the bitmask's words are int32
+        self.allowed_after_ed = allowed.int()  # [vocab / 32]: the bits of every token but the surrogate tails
+
+    def allows(self, previous: int | None, token: int) -> bool:
+        return previous not in self.ends_in_ed or token not in self.surrogate_tails
 
 
 class RequestGrammar:
     """One request's position in its grammar. Tokens go in with `accept_tokens` (or `catch_up`); `rollback`
     takes the last ones out again."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, guard: Utf8Guard) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.guard = guard
         self.vocab_size = compiled.tokenizer_info.vocab_size
-        self.num_accepted = 0  # output tokens the matcher has taken
+        self.accepted: list[int] = []  # output tokens the matcher has taken
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted)
+
+    def _last(self) -> int | None:
+        return self.accepted[-1] if self.accepted else None
 
     @property
     def terminated(self) -> bool:
@@ -115,9 +150,14 @@ class RequestGrammar:
     def accept_tokens(self, token_ids: Sequence[int]) -> int:
         """Take tokens in order until one does not fit; how many were taken."""
         for count, token in enumerate(token_ids):
-            if self.matcher.is_terminated() or not self.matcher.accept_token(int(token)):
+            token = int(token)
+            if (
+                self.matcher.is_terminated()
+                or not self.guard.allows(self._last(), token)
+                or not self.matcher.accept_token(token)
+            ):
                 return count
-            self.num_accepted += 1
+            self.accepted.append(token)
         return len(token_ids)
 
     def rollback(self, num_tokens: int) -> None:
@@ -126,7 +166,7 @@ class RequestGrammar:
             raise ValueError(f"cannot roll back {num_tokens} of {self.num_accepted} accepted tokens")
         if num_tokens:
             self.matcher.rollback(num_tokens)
-            self.num_accepted -= num_tokens
+            del self.accepted[-num_tokens:]
 
     def catch_up(self, output_ids: Sequence[int]) -> None:
         """Accept the output tokens the matcher has not seen. The sampler only draws allowed tokens, so one
@@ -145,6 +185,8 @@ class RequestGrammar:
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of an int32 [rows, vocab / 32] bitmask: bit i set = token i allowed next."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        if self._last() in self.guard.ends_in_ed:
+            bitmask[row] &= self.guard.allowed_after_ed
 
 
 @dataclass(eq=False)
