@@ -15,7 +15,6 @@ import torch
 from srt.configs.model_config import ModelConfig
 from srt.forward.forward_batch import ForwardBatch
 from srt.layers.attention.base import AttentionBackend
-from srt.layers.attention.torch_native import TorchNativeAttentionBackend
 from srt.layers.logits_processor import LogitsOutput
 from srt.models.gemma4 import Gemma4ForCausalLM
 from srt.models.gemma4_vision import Gemma4VisionEmbedder, Gemma4VisionTower
@@ -37,7 +36,6 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         self.image_encoder = ImageEncoder(
             self.vision_tower, self.embed_vision, DEFAULT_ENCODER_BUDGET_BYTES, DEFAULT_CACHE_TOKENS
         )
-        self._reference_backend = TorchNativeAttentionBackend()
 
     def configure_encoder(self, budget_bytes: int, cache_tokens: int, batched: bool) -> None:
         """The encoder's memory budget per tower call, its cache size, and batched vs per-image (A/B)."""
@@ -51,9 +49,5 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
             return super().forward(batch, backend, images)
         if images is None:
             images = self.image_encoder.image_embeds(batch.mm)
-        if self.config.bidirectional_images:
-            batch.mm.bidirectional = True
-            if not isinstance(backend, TorchNativeAttentionBackend):
-                # the Triton kernels have no image mask yet: such steps take the reference backend
-                backend = self._reference_backend
+        batch.mm.bidirectional = self.config.bidirectional_images
         return super().forward(batch, backend, images)

@@ -11,6 +11,9 @@ each K/V block it loads serves all of them (GQA):
 It walks the KV positions its rows can see, [min over rows of the window start, max over rows of the
 position], in blocks of BLOCK_N, with an online softmax; per element it masks what each row may not see
 (causal and window bounds from each row's own position, so rows need not be prefix .. seq_len - 1).
+Image rows of checkpoints whose image tokens attend both ways (26B-A4B, 31B: sliding layers only) see up to
+the last position of their image instead of their own (`last_visible`, per row), the window still counted
+from their own position: transformers' AND(window, OR(causal, same image)).
 head_dim 256 and 512 split the output columns over value_splits programs per tile (each recomputes the
 M x N scores over the full head_dim), so that the fp32 accumulator M x head_dim / value_splits fits.
 
@@ -95,13 +98,13 @@ def build_extend_tiles(extend_seq_lens: torch.Tensor, num_rows: int, block_q: in
 
 @triton.jit
 def _attend(
-    q, pos, window, m_i, l_i, acc, kv, start, end, offs_n, offs_d, offs_v,
+    q, pos, last, window, m_i, l_i, acc, kv, start, end, offs_n, offs_d, offs_v,
     MASK: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Online softmax of the tile's rows over kv positions [start, end), in blocks of len(offs_n).
 
-    With MASK, each row's causal and window bounds and the range end are applied per element; without it
-    every row must see every position of whole blocks.
+    With MASK, each row's bounds (up to `last`, its last visible position; the window back from `pos`) and the
+    range end are applied per element; without it every row must see every position of whole blocks.
     """
     (k_ptr, v_ptr, req_to_token_row, full_to_swa_ptr, kv_head, stride_kt, stride_kh, stride_vt, stride_vh,
      score_scale) = kv  # fmt: skip
@@ -116,7 +119,7 @@ def _attend(
         k = tl.load(k_ptr + slot[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]).to(q.dtype)
         qk = tl.dot(q, k, input_precision=DOT_PRECISION) * score_scale
         if MASK:
-            visible = kv_ok[None, :] & (kv_pos[None, :] <= pos[:, None])
+            visible = kv_ok[None, :] & (kv_pos[None, :] <= last[:, None])
             if SLIDING:
                 visible &= kv_pos[None, :] > pos[:, None] - window
             qk = tl.where(visible, qk, float("-inf"))
@@ -145,6 +148,7 @@ def _extend_kernel(
     req_pool_ptr,
     seq_lens_ptr,
     positions_ptr,
+    last_visible_ptr,
     num_tiles,
     window,
     k_scale,
@@ -168,6 +172,7 @@ def _extend_kernel(
     SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    IMAGES: tl.constexpr,
 ):
     tile = tl.program_id(0)
     # the dtype of the dot products: the cache's, or the query's when the cache holds FP8 (widened on load)
@@ -187,6 +192,7 @@ def _extend_kernel(
     m_ok = (rows < row_end) & (heads < (kv_head + 1) * GROUP)
     rows = rows.to(tl.int64)
     pos = tl.load(positions_ptr + rows, mask=m_ok, other=0)
+    last = tl.load(last_visible_ptr + rows, mask=m_ok, other=0) if IMAGES else pos
     q = tl.load(
         q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=m_ok[:, None],
@@ -196,10 +202,15 @@ def _extend_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     req_to_token_row = req_to_token_ptr + tl.load(req_pool_ptr + req).to(tl.int64) * stride_req
     # KV positions some row of the tile sees: [kv_start, kv_end); those every row sees: [all_start, all_end)
+    # (the window starts from the rows' positions, the causal ends from their last visible positions)
     pos_hi = tl.max(tl.where(m_ok, pos, -1))
     pos_lo = tl.min(tl.where(m_ok, pos, pos_hi))
-    kv_start, lo_end = row_kv_bounds(pos_lo, seq_len, window, SLIDING)
-    all_start, kv_end = row_kv_bounds(pos_hi, seq_len, window, SLIDING)
+    last_hi = tl.max(tl.where(m_ok, last, -1))
+    last_lo = tl.min(tl.where(m_ok, last, last_hi))
+    kv_start, _ = row_kv_bounds(pos_lo, seq_len, window, SLIDING)
+    all_start, _ = row_kv_bounds(pos_hi, seq_len, window, SLIDING)
+    _, lo_end = row_kv_bounds(last_lo, seq_len, window, SLIDING)
+    _, kv_end = row_kv_bounds(last_hi, seq_len, window, SLIDING)
     all_end = tl.maximum(lo_end, all_start)
     all_end = all_start + (all_end - all_start) // BLOCK_N * BLOCK_N  # whole blocks only: no bounds mask
 
@@ -210,12 +221,12 @@ def _extend_kernel(
     kv = (k_ptr, v_ptr, req_to_token_row, full_to_swa_ptr, kv_head, stride_kt, stride_kh, stride_vt, stride_vh,
           score_scale)  # fmt: skip
     # masked blocks before (window edge), unmasked blocks in the middle, masked blocks after (causal edge)
-    m_i, l_i, acc = _attend(q, pos, window, m_i, l_i, acc, kv, kv_start, all_start, offs_n, offs_d, offs_v,
+    m_i, l_i, acc = _attend(q, pos, last, window, m_i, l_i, acc, kv, kv_start, all_start, offs_n, offs_d, offs_v,
                             True, SLIDING, DOT_PRECISION)  # fmt: skip
-    m_i, l_i, acc = _attend(q, pos, window, m_i, l_i, acc, kv, all_start, all_end, offs_n, offs_d, offs_v,
+    m_i, l_i, acc = _attend(q, pos, last, window, m_i, l_i, acc, kv, all_start, all_end, offs_n, offs_d, offs_v,
                             False, SLIDING, DOT_PRECISION)  # fmt: skip
-    m_i, l_i, acc = _attend(q, pos, window, m_i, l_i, acc, kv, tl.maximum(all_end, kv_start), kv_end, offs_n,
-                            offs_d, offs_v, True, SLIDING, DOT_PRECISION)  # fmt: skip
+    m_i, l_i, acc = _attend(q, pos, last, window, m_i, l_i, acc, kv, tl.maximum(all_end, kv_start), kv_end,
+                            offs_n, offs_d, offs_v, True, SLIDING, DOT_PRECISION)  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     if KV_FP8:
@@ -242,12 +253,15 @@ def extend_attention(
     config: ExtendConfig,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    last_visible: torch.Tensor | None = None,
 ) -> None:
     """Write into `out` [rows, heads, head_dim] the attention of q over each request's KV.
 
     `tiles` comes from `build_extend_tiles(..., config.block_q)`; K/V buffers are [slots, kv_heads, head_dim]
     (a sliding layer's are indexed by SWA slots, reached through `full_to_swa`). FP8 buffers hold
     value / scale (`k_scale`, `v_scale`: the layer's per-tensor scales); other buffers ignore the scales.
+    `last_visible` [rows]: the last kv position each row sees where it is past the row's position (image rows
+    of a sliding layer); None: each row's own position.
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_buffer.shape[1]
@@ -266,6 +280,7 @@ def extend_attention(
         req_pool_indices,
         seq_lens,
         positions,
+        positions if last_visible is None else last_visible,
         num_tiles,
         sliding_window or 0,
         k_scale,
@@ -289,6 +304,7 @@ def extend_attention(
         SLIDING=sliding_window is not None,
         DOT_PRECISION=dot_precision(q.dtype == torch.float32),
         KV_FP8=is_fp8_kv(k_buffer.dtype),
+        IMAGES=last_visible is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -55,6 +55,8 @@ class TritonAttentionMetadata:
     req_pool_indices: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     extend_seq_lens: torch.Tensor | None = None
+    # extend kernel, sliding layers: each row's last visible kv position where image rows see their whole image
+    last_visible: torch.Tensor | None = None
     # made at the first layer that needs them, reused by the others
     tiles: dict[int, torch.Tensor] = field(default_factory=dict)  # block_q -> tile table
     partials: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -87,7 +89,8 @@ class TritonAttentionBackend(AttentionBackend):
                 row_seq_lens=batch.seq_lens,
             )
             return
-        if batch.extend_seq_lens_cpu and max(batch.extend_seq_lens_cpu) <= 1:
+        last_visible = _image_last_visible(batch)
+        if last_visible is None and batch.extend_seq_lens_cpu and max(batch.extend_seq_lens_cpu) <= 1:
             # at most one row per request (host lists, no read-back): the split-KV kernel, one row each
             rows_of = [i for i, n in enumerate(batch.extend_seq_lens_cpu) if n]
             index = torch.tensor(rows_of, dtype=torch.int64, device=batch.seq_lens.device)
@@ -104,6 +107,7 @@ class TritonAttentionBackend(AttentionBackend):
             req_pool_indices=batch.req_pool_indices,
             seq_lens=batch.seq_lens,
             extend_seq_lens=batch.extend_seq_lens,
+            last_visible=last_visible,
         )
 
     def forward(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
@@ -170,8 +174,26 @@ class TritonAttentionBackend(AttentionBackend):
             config,
             k_scale,
             v_scale,
+            meta.last_visible if window is not None else None,
         )
         return out
+
+
+def _image_last_visible(batch: ForwardBatch) -> torch.Tensor | None:
+    """Per row, the last kv position it sees in sliding layers when the batch has rows inside images whose
+    tokens attend both ways (their image's last position; others their own); None when there are none.
+    A chunk never ends inside such an image (`multimodal/chunking.py`), so the whole image has KV."""
+    mm = batch.mm
+    if mm is None or not mm.bidirectional or not any(mm.request_spans):
+        return None
+    last = batch.positions.clone()
+    row = 0
+    for spans, num_rows in zip(mm.request_spans, batch.extend_seq_lens_cpu, strict=True):
+        positions = batch.positions[row : row + num_rows]
+        for first, end in spans:
+            last[row : row + num_rows].masked_fill_((positions >= first) & (positions < end), end - 1)
+        row += num_rows
+    return last
 
 
 def _check_kv_indices(batch: ForwardBatch, layer: AttentionLayerSpec, meta: TritonAttentionMetadata) -> None:

@@ -27,6 +27,7 @@ from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.kv_cache_dtype import KVScales
 from srt.mem_cache.kv_pool import HybridKVPool
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from srt.multimodal.inputs import MultimodalBatch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 WINDOW = 8
@@ -252,6 +253,21 @@ def test_row_subsets_attend_over_the_whole_prefix(sliding_kv: int, full_kv: int,
     # ... and only the last row of some requests (one row each: the split-KV kernel), hit and no_rows skipped
     last = batch.select_rows([29, 37])
     compare_backends(state, last, save_kv=False)
+    state.check_integrity()
+
+
+@pytest.mark.parametrize("sliding_kv,full_kv,window", GQA)
+def test_image_rows_see_their_whole_image_in_sliding_layers(sliding_kv: int, full_kv: int, window: int) -> None:
+    """26B-A4B / 31B: rows inside an image see the rest of it in sliding layers (the window still counted back
+    from their own position); full layers stay causal. Batch rows (`prefix_hit_state`): fresh at 0..29 with
+    images at 3..14 (longer than the window of 8) and 20..25, hit at 14..20 with an image at 16..20 and one
+    inside its cached prefix; then the YOCO subsets of `test_row_subsets_attend_over_the_whole_prefix`."""
+    state, batch = prefix_hit_state(sliding_kv, full_kv, window)
+    spans = [[(3, 15), (20, 26)], [(2, 9), (16, 21)], [], []]
+    batch.mm = MultimodalBatch(rows=[], request_spans=spans, bidirectional=True)
+    compare_backends(state, batch)
+    compare_backends(state, batch.select_rows([*range(10, 30), 34, 35, 36]), save_kv=False)
+    compare_backends(state, batch.select_rows([12, 37]), save_kv=False)  # one row each, one inside an image
     state.check_integrity()
 
 
