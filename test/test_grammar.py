@@ -196,24 +196,41 @@ def test_constrained_and_free_requests_in_one_batch(tiny_checkpoint, compiler, t
     scheduler.check_integrity()
 
 
-def test_constrained_requests_decode_without_drafts_under_mtp(tiny_checkpoint, compiler, tokenizer):
-    """With the MTP assistant, a constrained request takes no drafts (its mask is per token) and still matches
-    its schema; a free request beside it verifies drafts."""
+def test_constrained_requests_verify_drafts_against_their_grammar(tiny_checkpoint, compiler, tokenizer):
+    """With MTP a constrained request verifies drafts, each verify row masked by its grammar after the drafts
+    before it: with drafts right for a varying number of leading tokens and wrong after (often tokens the
+    grammar refuses), greedy outputs equal those without MTP; sampled ones match the schema."""
+    from test_mtp_scheduler import K, knowing_drafter
+
     model, assistant = tiny_checkpoint(PRESET), tiny_checkpoint(f"{PRESET}-assistant")
-    args = ServerArgs(
-        model_path=str(model), device="cpu", dtype="float32", context_length=CONTEXT_LENGTH,
-        speculative_draft_model_path=str(assistant),
-    )  # fmt: skip
-    scheduler = Scheduler(args)
-    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}})
-    prompt = tokenizer("The weather is")["input_ids"]
-    constrained = TokenizedGenerateReq(
-        "c", prompt, SamplingParams(temperature=0.0, max_new_tokens=12, json_schema=schema)
-    )
-    constrained.grammar = compiler.compile("json_schema", schema)
-    free = TokenizedGenerateReq("f", prompt, SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True))
-    results = run_to_completion(scheduler, [constrained, free])
-    ids = results["c"].output_ids
-    jsonschema.validate(json.loads(tokenizer.decode(ids[:-1])), json.loads(schema))
-    assert results["c"].spec_verify_ct == 0 and results["f"].spec_verify_ct > 0
-    scheduler.check_integrity()
+
+    def scheduler(**overrides) -> Scheduler:
+        args = ServerArgs(model_path=str(model), device="cpu", dtype="float32", context_length=CONTEXT_LENGTH,
+                          **overrides)  # fmt: skip
+        return Scheduler(args)
+
+    def request(rid: str, prompt: str, **params) -> TokenizedGenerateReq:
+        params = SamplingParams(max_new_tokens=100, json_schema=json.dumps(SCHEMA), **params)
+        req = TokenizedGenerateReq(rid, tokenizer(prompt)["input_ids"], params)
+        req.grammar = compiler.compile("json_schema", json.dumps(SCHEMA))
+        return req
+
+    greedy = [request(f"c{i}", f"Request {i}: the weather is", temperature=0.0) for i in range(3)]
+    free = TokenizedGenerateReq("f", tokenizer("Free")["input_ids"], SamplingParams(temperature=0.0, max_new_tokens=12))
+    expected = run_to_completion(scheduler(), [*greedy, free])
+    mtp = scheduler(speculative_draft_model_path=str(assistant), speculative_num_steps=K)
+    continuations = {r.rid: list(r.input_ids) + expected[r.rid].output_ids for r in [*greedy, free]}
+    knowing_drafter(mtp, continuations, mtp.runner.model_config.vocab_size)
+    results = run_to_completion(mtp, [*greedy, free])
+    assert {rid: r.output_ids for rid, r in results.items()} == {rid: r.output_ids for rid, r in expected.items()}
+    assert all(results[r.rid].spec_verify_ct > 0 for r in greedy)
+    assert sum(results[r.rid].spec_accepted_tokens for r in greedy) > 0
+    mtp.check_integrity()
+
+    real = scheduler(speculative_draft_model_path=str(assistant), speculative_num_steps=K)
+    sampled = [request(f"s{i}", f"Sample {i}:", temperature=1.0, seed=i) for i in range(4)]
+    for rid, result in run_to_completion(real, sampled).items():
+        ids = result.output_ids
+        assert ids[-1] in STOP_IDS and result.spec_verify_ct > 0, (rid, tokenizer.decode(ids))
+        jsonschema.validate(json.loads(tokenizer.decode(ids[:-1])), SCHEMA)
+    real.check_integrity()

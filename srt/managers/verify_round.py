@@ -11,9 +11,10 @@ followed by its k drafts: k + 1 rows, every one a logits row.
     next round newest token c_n, the hidden state of row n
 
 A request speculates when its sampling does not depend on its own history within the round: penalties and
-min_new_tokens would score row i after drafts the host has not accepted yet (and a grammar would need its
-mask at every row), so such requests decode one token at a time in the same steps. Nothing here reads the
-device until `VerifyRound.apply`.
+min_new_tokens would score row i after drafts the host has not accepted yet, so such requests decode one token
+at a time in the same steps. A constrained request speculates: its drafts are read to the host, and each of its
+verify rows is masked by its grammar after the drafts before it (`grammar.mask_verify_rows`). Apart from those
+drafts nothing here reads the device until `VerifyRound.apply`.
 """
 
 from __future__ import annotations
@@ -29,17 +30,16 @@ from srt.managers.request_output import finish_check
 from srt.managers.schedule_batch import Req
 from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
+from srt.sampling.grammar import mask_verify_rows
 from srt.sampling.sampler import SamplingBatch, filtered_probs, logprobs_of, top_logprobs
 from srt.speculative.accept import Accepted, accept_greedy, accept_sampled
 
 
 def speculates(req: Req) -> bool:
-    """Whether a request verifies drafts (module docstring). Constrained requests do not: their drafts would
-    need the grammar's mask at every verify row (one matcher state per row)."""
+    """Whether a request verifies drafts (module docstring)."""
     params = req.params.sampling_params
     return (
-        req.grammar is None
-        and params.repetition_penalty == 1.0
+        params.repetition_penalty == 1.0
         and params.frequency_penalty == 0.0
         and params.presence_penalty == 0.0
         and params.min_new_tokens == 0
@@ -89,6 +89,14 @@ class VerifyRound:
         parameters, None when all are greedy. Sets each request's `draft_hidden` for the next round."""
         device = logits.device
         k = drafts.shape[1]
+        if any(req.grammar is not None for req in reqs):
+            host_drafts = drafts.tolist()  # the grammars walk them (constrained steps do not overlap anyway)
+            constrained = [
+                (req.grammar, req.output_ids, first, host_drafts[i][:n])
+                for i, (req, first, n) in enumerate(zip(reqs, first_rows, num_drafts, strict=True))
+                if req.grammar is not None
+            ]
+            logits, greedy_ids = mask_verify_rows(logits, constrained), None
         # each kv_len already counts all its verify rows; a round keeps the newest token and its accepted drafts
         kept_before = [req.kv_len - n for req, n in zip(reqs, num_drafts, strict=True)]
         host = torch.tensor([first_rows, num_drafts, kept_before], dtype=torch.int64)

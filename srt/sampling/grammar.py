@@ -182,6 +182,20 @@ class RequestGrammar:
         self.rollback(count)
         return count
 
+    def fill_draft_masks(self, bitmask: torch.Tensor, first_row: int, drafts: Sequence[int]) -> None:
+        """Rows first_row .. first_row + len(drafts) of `bitmask`: row j allows what may follow the output and
+        the first j drafts (a verify step's rows). Rows after a draft the grammar refuses, or after its stop
+        token, are left as they are: acceptance (or the request) ends before them. The state is left as it was."""
+        taken = 0
+        for j in range(len(drafts) + 1):
+            if self.terminated:
+                break
+            self.fill_mask(bitmask, first_row + j)
+            if j == len(drafts) or self.accept_tokens(drafts[j : j + 1]) == 0:
+                break
+            taken += 1
+        self.rollback(taken)
+
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of an int32 [rows, vocab / 32] bitmask: bit i set = token i allowed next."""
         self.matcher.fill_next_token_bitmask(bitmask, row)
@@ -241,3 +255,21 @@ class BatchGrammar:
         if greedy_ids is not None:
             greedy_ids = torch.where(self.constrained, masked.argmax(dim=-1), greedy_ids)
         return masked, greedy_ids
+
+
+def mask_verify_rows(
+    logits: torch.Tensor, constrained: Sequence[tuple[RequestGrammar, Sequence[int], int, Sequence[int]]]
+) -> torch.Tensor:
+    """A copy of a verify step's `logits` [rows, vocab] where each constrained request's rows allow only what
+    its grammar allows there. `constrained`: (grammar, output ids, first verify row, drafts) per request; its
+    row j is scored after the output and the first j drafts. A draft the grammar refuses is then never
+    accepted (greedy: the row's choice is allowed and the draft is not; sampled: its probability is 0), so
+    every token a round emits fits the grammar."""
+    host = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+    host.fill_(-1)  # all bits set: other requests' rows are left alone
+    for grammar, output_ids, first_row, drafts in constrained:
+        grammar.catch_up(output_ids)
+        grammar.fill_draft_masks(host, first_row, drafts)
+    masked = logits.clone()
+    xgr.apply_token_bitmask_inplace(masked, host.to(logits.device), vocab_size=logits.shape[-1])
+    return masked
