@@ -159,7 +159,15 @@ class ServerArgs:
         "every layer's heads and MLP width split over them (NCCL on GPUs, gloo on CPUs).",
         aliases=("--tensor-parallel-size",),
     )
-    base_gpu_id: int = _arg(0, "The GPU of the first rank on this node; rank r uses GPU base + r.")
+    dp_size: int = _arg(
+        1,
+        "Data-parallel replicas on this node: each a whole model with its own KV pools and --tp-size GPUs; "
+        "the tokenizer side sends each request to the replica with the fewest requests in flight.",
+        aliases=("--data-parallel-size",),
+    )
+    base_gpu_id: int = _arg(
+        0, "The GPU of the first rank on this node; rank r of replica d uses GPU base + d * tp-size + r."
+    )
     nnodes: int = _arg(
         1, "Machines the --tp-size ranks are spread over (--tp-size / --nnodes ranks each); start every node."
     )
@@ -259,6 +267,10 @@ class ServerArgs:
             raise ValueError(f"media_fetch_timeout must be > 0; got {self.media_fetch_timeout}")
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1; got {self.tp_size}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1; got {self.dp_size}")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ValueError("dp_size > 1 runs its replicas on one node; nnodes must be 1")
         if self.base_gpu_id < 0:
             raise ValueError(f"base_gpu_id must be >= 0; got {self.base_gpu_id}")
         if self.nnodes < 1 or self.tp_size % self.nnodes:

@@ -37,18 +37,22 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def rank_device(server_args: ServerArgs, place: RankPlace) -> torch.device:
-    """This rank's device: GPU --base-gpu-id + local rank, or the CPU. RuntimeError when the GPUs are too few."""
+    """A scheduler's device, made current: its GPU (`RankPlace.gpu`), or the CPU. RuntimeError when the GPUs
+    are too few."""
     wants_cuda = server_args.device == "cuda" or (server_args.device == "auto" and torch.cuda.is_available())
     if not wants_cuda:
         return torch.device("cpu")
-    needed = server_args.base_gpu_id + server_args.tp_size // server_args.nnodes
+    needed = server_args.base_gpu_id + server_args.dp_size * server_args.tp_size // server_args.nnodes
     found = torch.cuda.device_count()
     if found < needed:
+        replicas = f"--dp-size {server_args.dp_size} x " if server_args.dp_size > 1 else ""
         raise RuntimeError(
-            f"--tp-size {server_args.tp_size} on {server_args.nnodes} node(s) from --base-gpu-id "
+            f"{replicas}--tp-size {server_args.tp_size} on {server_args.nnodes} node(s) from --base-gpu-id "
             f"{server_args.base_gpu_id} needs GPUs 0..{needed - 1} on this node; torch sees {found}"
         )
-    return torch.device("cuda", server_args.base_gpu_id + place.local_rank)
+    device = torch.device("cuda", place.gpu(server_args))
+    torch.cuda.set_device(device)  # Triton launches and bare "cuda" tensors go to the current device
+    return device
 
 
 class StepInputs(NamedTuple):
@@ -67,8 +71,6 @@ class TensorParallelGroup:
         self.place = place
         self.device = device = rank_device(server_args, place)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         dist.init_process_group(
             backend,
             init_method=f"tcp://{server_args.dist_init_addr}",

@@ -94,16 +94,14 @@ def launch_processes(server_args: ServerArgs, timeout: float = STARTUP_TIMEOUT_S
     The scheduler is one process per tensor-parallel rank of this node ("scheduler" is rank 0); a node other
     than the first (--node-rank) starts only its ranks."""
     ctx = mp.get_context("spawn")
-    port_args = PortArgs.create()
+    port_args = PortArgs.create(server_args.dp_size)
     group = ServingProcesses(port_args, {})
     readers: dict[str, Connection] = {}
-    if server_args.tp_size > 1 and server_args.dist_init_addr is None:
-        server_args = dataclasses.replace(server_args, dist_init_addr=free_loopback_address())
-    for name, entry, extra in _children(server_args):
+    for name, entry, child_args, child_ports, extra in _children(server_args, port_args):
         reader, writer = ctx.Pipe(duplex=False)
         proc = ctx.Process(
             target=_run_child,
-            args=(entry, server_args, port_args, writer, os.getpid(), *extra),
+            args=(entry, child_args, child_ports, writer, os.getpid(), *extra),
             name=f"srt-{name}",
             daemon=True,
         )
@@ -135,17 +133,33 @@ def run_node_ranks(server_args: ServerArgs) -> None:
         raise RuntimeError(f"node {server_args.node_rank}: {', '.join(failed)} ended with an error")
 
 
-def _children(server_args: ServerArgs) -> list[tuple[str, str, tuple]]:
-    """(name, entry point, extra arguments) of every child this node starts."""
-    if server_args.tp_size == 1:
-        return [(name, entry, ()) for name, entry in CHILDREN.items()]
+def _children(server_args: ServerArgs, port_args: PortArgs) -> list[tuple[str, str, ServerArgs, PortArgs, tuple]]:
+    """(name, entry point, its server and port arguments, extra arguments) of every child this node starts.
+
+    One scheduler per rank of each data-parallel replica; the ranks of a replica share a torch.distributed
+    store of their own (--dist-init-addr, else a free loopback port per replica), and its rank 0 binds the
+    replica's input. One detokenizer takes every replica's outputs."""
+    if server_args.tp_size == 1 and server_args.dp_size == 1:
+        return [(name, entry, server_args, port_args, ()) for name, entry in CHILDREN.items()]
+    replica_args = [server_args] * server_args.dp_size
+    if server_args.tp_size > 1:
+        replica_args = [dataclasses.replace(server_args, dist_init_addr=_store_address(server_args, d))
+                        for d in range(server_args.dp_size)]  # fmt: skip
     ranks = [
-        ("scheduler" if place.is_first else f"scheduler-{place.rank}", CHILDREN["scheduler"], (place,))
+        (place.name, CHILDREN["scheduler"], replica_args[place.replica], port_args.of_replica(place.replica), (place,))
         for place in ranks_of_node(server_args)
     ]
     if server_args.node_rank > 0:
         return ranks
-    return [*ranks, ("detokenizer", CHILDREN["detokenizer"], ())]
+    return [*ranks, ("detokenizer", CHILDREN["detokenizer"], server_args, port_args, ())]
+
+
+def _store_address(server_args: ServerArgs, replica: int) -> str:
+    """The torch.distributed store of a replica's ranks: --dist-init-addr's port + replica, else a free one."""
+    if server_args.dist_init_addr is None:
+        return free_loopback_address()
+    host, port = server_args.dist_init_addr.rsplit(":", 1)
+    return f"{host}:{int(port) + replica}"
 
 
 def _run_child(entry: str, *args: object) -> None:

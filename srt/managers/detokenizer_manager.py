@@ -54,8 +54,10 @@ class DetokenizerManager:
         self.context = zmq.Context()
         self.recv_socket = socket(self.context, zmq.PULL, port_args.detokenizer_input, bind=True)
         self.send_socket = socket(self.context, zmq.PUSH, port_args.tokenizer_input, bind=False)
-        self.abort_socket = socket(self.context, zmq.PUSH, port_args.scheduler_input, bind=False)
+        inputs = port_args.replica_inputs or (port_args.scheduler_input,)  # one per data-parallel replica
+        self.abort_sockets = [socket(self.context, zmq.PUSH, address, bind=False) for address in inputs]
         self.states: dict[str, IncrementalDetokenizer] = {}
+        self.replica_of: dict[str, int] = {}
         self.port_args = port_args
 
     def run(self, parent_pid: int) -> None:
@@ -69,6 +71,7 @@ class DetokenizerManager:
     def handle(self, message: object) -> None:
         if isinstance(message, DetokenizeInit):
             self.states[message.rid] = IncrementalDetokenizer(self.tokenizer, message.stop, message.skip_special_tokens)
+            self.replica_of[message.rid] = message.replica
         elif isinstance(message, BatchTokenIDOut):
             outputs = [out for out in map(self.detokenize, message.outputs) if out is not None]
             if outputs:
@@ -76,6 +79,7 @@ class DetokenizerManager:
         else:
             if isinstance(message, GenerateError):
                 self.states.pop(message.rid, None)
+                self.replica_of.pop(message.rid, None)
             self.send_socket.send_pyobj(message)
 
     def detokenize(self, output: ReqOutput) -> StrOutput | None:
@@ -85,10 +89,11 @@ class DetokenizerManager:
         result = state.add(output.new_token_ids, finished=output.finished)
         if result.stop_matched is not None:
             if not output.finished:
-                self.abort_socket.send_pyobj(AbortReq(output.rid))
+                self.abort_sockets[self.replica_of[output.rid]].send_pyobj(AbortReq(output.rid))
             output = cut_at_stop(output, result.num_tokens, result.stop_matched)
         if output.finished:
             del self.states[output.rid]
+            del self.replica_of[output.rid]
         if not (output.new_token_ids or output.input_logprobs or output.finished):
             return None  # a prefill chunk: nothing to tell
         return StrOutput(output, result.text)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from srt.multimodal.inputs import MultimodalInputs
 from srt.sampling.sampling_params import SamplingParams
@@ -101,6 +101,7 @@ class DetokenizeInit:
     rid: str
     stop: list[str]
     skip_special_tokens: bool
+    replica: int = 0  # the data-parallel replica running it: where a stop string's abort goes
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,26 @@ class SchedulerStats:
     num_retractions: int
     generated_tokens_total: int  # every token the scheduler sampled, including ones cut by a stop string
     spec_accept_counts: list[int] = field(default_factory=list)  # verify rounds by accepted drafts (MTP)
+
+
+def combine_stats(replicas: list[SchedulerStats]) -> SchedulerStats:
+    """The server's figures from its data-parallel replicas': every count and pool summed."""
+    if len(replicas) == 1:
+        return replicas[0]
+    first = replicas[0]
+    pools = {
+        name: PoolStats(*(sum(getattr(r.pools[name], f.name) for r in replicas) for f in fields(PoolStats)))
+        for name in first.pools
+    }
+    return SchedulerStats(
+        req_id=first.req_id,
+        num_running=sum(r.num_running for r in replicas),
+        num_waiting=sum(r.num_waiting for r in replicas),
+        pools=pools,
+        num_retractions=sum(r.num_retractions for r in replicas),
+        generated_tokens_total=sum(r.generated_tokens_total for r in replicas),
+        spec_accept_counts=[sum(counts) for counts in zip(*(r.spec_accept_counts for r in replicas), strict=True)],
+    )
 
 
 @dataclass

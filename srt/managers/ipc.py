@@ -11,6 +11,7 @@ Each address is an `ipc://` socket file in a private temporary directory; messag
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -33,19 +34,26 @@ class PortArgs:
     """The ZMQ addresses of one server (one set per Engine or HTTP server)."""
 
     ipc_dir: str
-    scheduler_input: str
+    scheduler_input: str  # what a scheduler process binds: its replica's entry of `replica_inputs`
     detokenizer_input: str
     tokenizer_input: str
+    replica_inputs: tuple[str, ...] = ()  # every data-parallel replica's scheduler input, in replica order
 
     @classmethod
-    def create(cls) -> PortArgs:
+    def create(cls, dp_size: int = 1) -> PortArgs:
         ipc_dir = tempfile.mkdtemp(prefix="srt-ipc-")
+        inputs = tuple(f"ipc://{ipc_dir}/scheduler" + (f"-dp{d}" if d else "") for d in range(dp_size))
         return cls(
             ipc_dir=ipc_dir,
-            scheduler_input=f"ipc://{ipc_dir}/scheduler",
+            scheduler_input=inputs[0],
             detokenizer_input=f"ipc://{ipc_dir}/detokenizer",
             tokenizer_input=f"ipc://{ipc_dir}/tokenizer",
+            replica_inputs=inputs,
         )
+
+    def of_replica(self, replica: int) -> PortArgs:
+        """The addresses as the schedulers of data-parallel replica `replica` use them."""
+        return dataclasses.replace(self, scheduler_input=self.replica_inputs[replica])
 
     def cleanup(self) -> None:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 import zmq
 
 from srt.distributed.placement import RankPlace
-from srt.distributed.ranks import StepInputs, TensorParallelGroup
+from srt.distributed.ranks import StepInputs, TensorParallelGroup, rank_device
 from srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -50,17 +50,20 @@ def run_scheduler_process(
     place: RankPlace | None = None,
 ) -> None:
     """Process entry point: load the model, report readiness (or the error), then serve until orphaned.
-    `place`: this process's tensor-parallel rank (None: the only one)."""
-    setup_child("scheduler" if place is None or place.is_first else f"scheduler-{place.rank}", server_args.log_level)
+    `place`: this process's rank and replica (None: the only scheduler)."""
+    setup_child("scheduler" if place is None else place.name, server_args.log_level)
     group = None
     try:
-        if place is not None:
+        device = None
+        if place is not None and place.size > 1:
             group = TensorParallelGroup(server_args, place)
-        scheduler = Scheduler(server_args, ModelRunner(server_args, tp=group))
+        elif place is not None:
+            device = rank_device(server_args, place)  # a replica of one rank: its own GPU
+        scheduler = Scheduler(server_args, ModelRunner(server_args, tp=group, device=device))
         if scheduler.runner.device.type == "cuda" and not server_args.skip_server_warmup:
             warm_up(scheduler)  # every rank: the same requests, the same steps
         if place is None or place.is_first:
-            loop = SchedulerLoop(scheduler, server_args, port_args, group)
+            loop = SchedulerLoop(scheduler, server_args, port_args, group, 0 if place is None else place.replica)
         else:
             loop = FollowerLoop(scheduler, group)
     except Exception:
@@ -110,8 +113,11 @@ class SchedulerLoop:
         server_args: ServerArgs,
         port_args: PortArgs,
         group: TensorParallelGroup | None = None,
+        replica: int = 0,
     ) -> None:
+        """`replica`: this scheduler's data-parallel replica (--dp-size), named in what it tells the detokenizer."""
         self.scheduler = scheduler
+        self.replica = replica
         self.group = group
         self.context = zmq.Context()
         self.recv_socket = socket(self.context, zmq.PULL, port_args.scheduler_input, bind=True)
@@ -204,7 +210,7 @@ class SchedulerLoop:
                 return
             params = message.sampling_params
             # sent before any output of the request: both travel through this one socket, in order
-            init = DetokenizeInit(message.rid, list(params.stop or []), params.skip_special_tokens)
+            init = DetokenizeInit(message.rid, list(params.stop or []), params.skip_special_tokens, self.replica)
             self.send_socket.send_pyobj(init)
         elif isinstance(message, AbortReq):
             output = self.scheduler.abort(message.rid)

@@ -33,9 +33,11 @@ from srt.managers.io_struct import (
     StatsReq,
     StrOutput,
     TokenizedGenerateReq,
+    combine_stats,
 )
 from srt.managers.ipc import PortArgs, socket
 from srt.managers.metrics import ServerMetrics
+from srt.managers.replica_router import ReplicaRouter
 from srt.multimodal.image_prompts import ImagePrompts
 from srt.sampling.grammar import GrammarCompiler, check_grammar, tokenizer_info
 from srt.sampling.sampling_params import SamplingParams
@@ -113,7 +115,10 @@ class TokenizerManager:
         self.states: dict[str, _ReqState] = {}
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._stats_ids = itertools.count()
-        self._send = socket(zmq.Context.instance(), zmq.PUSH, port_args.scheduler_input, bind=False)
+        # one input per data-parallel replica (its rank 0 scheduler); requests go to the least loaded
+        inputs = port_args.replica_inputs or (port_args.scheduler_input,)
+        self._sends = [socket(zmq.Context.instance(), zmq.PUSH, address, bind=False) for address in inputs]
+        self.router = ReplicaRouter(len(self._sends))
         self._recv: zmq.asyncio.Socket | None = None
         self._loop_task: asyncio.Task | None = None
         self._grammar_compiler: GrammarCompiler | None = None  # built at the first constrained request
@@ -132,7 +137,8 @@ class TokenizerManager:
                 await self._loop_task
         if self._recv is not None:
             self._recv.close()
-        self._send.close()
+        for send in self._sends:
+            send.close()
 
     # ---- requests ------------------------------------------------------------------------------------
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -227,7 +233,7 @@ class TokenizerManager:
             builder = ResultBuilder(req.rid, req.return_logprob, req.top_logprobs_num, texts)
             self.states[req.rid] = _ReqState(queue, index, builder)
         for req in requests:
-            self._send.send_pyobj(req)
+            self._sends[self.router.route(req.rid)].send_pyobj(req)
         pending = {req.rid for req in requests}
         watch = _DisconnectWatch(is_disconnected) if is_disconnected is not None else None
         try:
@@ -240,6 +246,7 @@ class TokenizerManager:
                 if out.output.finished:
                     pending.discard(out.output.rid)
                     self.states.pop(out.output.rid, None)
+                    self.router.release(out.output.rid)
                 if obj.stream:
                     chunk = state.builder.chunk(out)
                     if obj.return_emit_ts:
@@ -303,26 +310,35 @@ class TokenizerManager:
     def abort(self, rid: str) -> None:
         """Stop a request and forget it; its later outputs are dropped."""
         if self.states.pop(rid, None) is not None:
-            self._send.send_pyobj(AbortReq(rid))
+            self._sends[self.router.release(rid) or 0].send_pyobj(AbortReq(rid))
             self.metrics.ended("abort")
 
     async def scheduler_stats(self, timeout: float = 10.0) -> SchedulerStats:
-        """A fresh snapshot of the scheduler's queues and pools; RuntimeError once a serving process died."""
+        """A fresh snapshot of the scheduler's queues and pools (summed over the data-parallel replicas);
+        RuntimeError once a serving process died."""
+        return combine_stats(await self.replica_stats(timeout))
+
+    async def replica_stats(self, timeout: float = 10.0) -> list[SchedulerStats]:
+        """Each data-parallel replica's snapshot, in replica order."""
         if self.dead:
             raise RuntimeError(self.dead)
-        req_id = next(self._stats_ids)
-        future = asyncio.get_running_loop().create_future()
-        self._stats_waiters[req_id] = future
-        self._send.send_pyobj(StatsReq(req_id))
+        loop = asyncio.get_running_loop()
+        req_ids = [next(self._stats_ids) for _ in self._sends]
+        futures = [self._stats_waiters.setdefault(req_id, loop.create_future()) for req_id in req_ids]
+        for send, req_id in zip(self._sends, req_ids, strict=True):
+            send.send_pyobj(StatsReq(req_id))
         try:
-            return await asyncio.wait_for(future, timeout)
+            return list(await asyncio.wait_for(asyncio.gather(*futures), timeout))
         finally:
-            self._stats_waiters.pop(req_id, None)
+            for req_id in req_ids:
+                self._stats_waiters.pop(req_id, None)
 
     async def get_server_info(self) -> dict:
-        """Server args, the model's limits, and the scheduler's queues and KV pools right now."""
-        stats = await self.scheduler_stats()
-        return {
+        """Server args, the model's limits, and the scheduler's queues and KV pools right now (with
+        --dp-size, summed over the replicas, and each replica's under "replicas")."""
+        replicas = await self.replica_stats()
+        stats = combine_stats(replicas)
+        info = {
             "version": __version__,
             "model_name": self.model_name,
             "server_args": dataclasses.asdict(self.server_args),
@@ -333,6 +349,9 @@ class TokenizerManager:
             "generated_tokens_total": stats.generated_tokens_total,
             "pools": {name: dataclasses.asdict(pool) for name, pool in stats.pools.items()},
         }
+        if len(replicas) > 1:
+            info["replicas"] = [dataclasses.asdict(replica) for replica in replicas]
+        return info
 
     # ---- outputs -------------------------------------------------------------------------------------
     async def _recv_loop(self) -> None:
@@ -350,6 +369,7 @@ class TokenizerManager:
                         state.queue.put_nowait((state, out, times))
             elif isinstance(message, GenerateError):
                 state = self.states.pop(message.rid, None)
+                self.router.release(message.rid)
                 if state is not None:
                     state.queue.put_nowait(self._error_of(message))
             elif isinstance(message, SchedulerStats):
@@ -380,6 +400,7 @@ class TokenizerManager:
             state.queue.put_nowait(RuntimeError(problem))
         self.metrics.ended("abort", len(self.states))
         self.states.clear()
+        self.router.clear()
         for waiter in self._stats_waiters.values():
             if not waiter.done():
                 waiter.set_exception(RuntimeError(problem))

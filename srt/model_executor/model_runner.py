@@ -58,10 +58,12 @@ class ModelRunner:
         server_args: ServerArgs,
         model_config: ModelConfig | None = None,
         tp: TensorParallelGroup | None = None,
+        device: torch.device | None = None,
     ) -> None:
+        """`device`: where a one-rank replica runs (default: the rank's under `tp`, else --device)."""
         self.server_args = server_args
         self.tp = tp
-        self.device = tp.device if tp is not None else resolve_device(server_args.device)
+        self.device = tp.device if tp is not None else device or resolve_device(server_args.device)
         self.dtype = resolve_dtype(server_args.dtype, self.device)
         self.model_config = model_config or ModelConfig.from_name_or_path(server_args.model_path)
         whole_model_config = self.model_config
