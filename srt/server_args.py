@@ -77,7 +77,7 @@ class ServerArgs:
         None,
         "Sliding-window pool tokens / full pool tokens (default 0.15 for MoE checkpoints, 0.8 for dense).",
     )
-    max_running_requests: int = _arg(64, "Most requests in the running batch at once.")
+    max_running_requests: int = _arg(64, "Most requests in the running batch at once (of each --dp-size replica).")
     max_prefill_tokens: int = _arg(
         16384, "Most tokens one step computes: prompt tokens plus one per decoding request beside them."
     )
@@ -212,7 +212,7 @@ class ServerArgs:
         None,
         "Most requests waiting for a place in the running batch; beyond --max-running-requests + this many in "
         "flight, a new request gets HTTP 429 with Retry-After (each of n samples counts). Default: 4 x "
-        "--max-running-requests, so a queued request waits for at most about four batches ahead of it.",
+        "--max-running-requests (x --dp-size), so a queued request waits for at most about four batches ahead of it.",
     )
     request_timeout: float | None = _arg(
         None,

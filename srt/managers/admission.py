@@ -1,9 +1,9 @@
 """Admission control: how many requests may be in flight, and the answer to those beyond it.
 
 A request is in flight from the moment it is admitted (after its body is checked) until its response has
-been written. At most `--max-running-requests` of them run; the rest wait in the scheduler's queue, at most
-`--max-queued-requests` of them. The count is kept in the HTTP process, where a refusal costs nothing: no
-round trip to the scheduler, and no tokenizing when the server is already full.
+been written. At most `--max-running-requests` of them run (per data-parallel replica); the rest wait in the
+schedulers' queues, at most `--max-queued-requests` of them. The count is kept in the HTTP process, where a
+refusal costs nothing: no round trip to the scheduler, and no tokenizing when the server is already full.
 
     in flight:  [ running (<= max_running) | queued (<= max_queued) ]  -> next one: 429, Retry-After
 
@@ -28,11 +28,16 @@ class Overloaded(Exception):
         self.retry_after = RETRY_AFTER_S
 
 
+def max_running_requests(server_args: ServerArgs) -> int:
+    """The server's running batches together: --max-running-requests on each data-parallel replica."""
+    return server_args.max_running_requests * server_args.dp_size
+
+
 def max_queued_requests(server_args: ServerArgs) -> int:
-    """--max-queued-requests, or its default: QUEUE_PER_RUNNING x --max-running-requests."""
+    """--max-queued-requests, or its default: QUEUE_PER_RUNNING x the server's running requests."""
     if server_args.max_queued_requests is not None:
         return server_args.max_queued_requests
-    return QUEUE_PER_RUNNING * server_args.max_running_requests
+    return QUEUE_PER_RUNNING * max_running_requests(server_args)
 
 
 class Ticket:
@@ -50,7 +55,7 @@ class Admission:
     """Counts requests in flight and refuses those beyond the limit (module docstring)."""
 
     def __init__(self, server_args: ServerArgs) -> None:
-        self.max_running = server_args.max_running_requests
+        self.max_running = max_running_requests(server_args)
         self.max_queued = max_queued_requests(server_args)
         self.limit = self.max_running + self.max_queued
         self.in_flight = 0
