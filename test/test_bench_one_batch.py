@@ -116,13 +116,17 @@ def test_a_batch_the_kv_pools_cannot_hold_is_refused_before_the_model_is_built()
     assert "Fits with: --max-total-tokens 17408 --swa-full-tokens-ratio 1" in done.stderr
 
 
-def test_the_suggested_pool_flags_reach_the_runner_and_fit_exactly(tiny_checkpoint, tmp_path) -> None:
-    """Batch 2 x (20 + 8) holds 56 tokens at its end: 56 tokens in each pool run it, 55 are refused."""
+def test_the_suggested_pool_flags_reach_the_runner_and_fit_exactly(tiny_checkpoint, tmp_path, bench) -> None:
+    """Batch 2 x (20 + 8) holds 56 tokens at its end: 56 tokens in each pool run it, 55 are refused (in this
+    process: the script's refusal path is the test above)."""
+    from srt.server_args import ServerArgs
+
     path, out_file = tiny_checkpoint("tiny-gemma-4-E4B-it"), tmp_path / "latency.json"
+    short = ServerArgs(model_path=str(path), device="cpu", max_total_tokens=55, swa_full_tokens_ratio=1)
+    with pytest.raises(SystemExit, match="56 KV tokens do not fit the KV pools: full 55 and swa 55"):
+        bench.fit.refuse_unfit(short, [bench.fit.uniform_batch(2, 20, 8 + 1)])  # the prefill, then 8 steps
     common = ["--model-path", str(path), "--device", "cpu", "--dtype", "float32", "--batch-size", "1", "2"]
     common += ["--input-len", "20", "--output-len", "8", "--swa-full-tokens-ratio", "1"]
-    refused = run_script(*common, "--max-total-tokens", "55")
-    assert refused.returncode == 1 and "56 KV tokens do not fit the KV pools: full 55 and swa 55" in refused.stderr
     done = run_script(*common, "--max-total-tokens", "56", "--json", str(out_file))
     assert done.returncode == 0, done.stderr[-2000:]
     output = json.loads(out_file.read_text())
