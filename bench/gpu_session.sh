@@ -105,7 +105,7 @@ stage_tp() {  # #28 on a machine with 2+ GPUs: all of the parts below (TP_SERVIN
 
 stage_tp_tests() {  # the tiny variants on two GPUs vs one (bf16, NCCL, CUDA graphs)
     nvidia-smi -L
-    timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider --tb=short test/test_tensor_parallel.py \
+    timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider --tb=short test/test_tensor_parallel.py test/test_data_parallel.py \
         2>&1 | grep -E "rank|^(FAILED|ERROR)|passed|failed|Error"
 }
 

@@ -143,8 +143,9 @@ def alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def reference_scheduler(model: Path) -> Scheduler:
-    return Scheduler(ServerArgs(model_path=str(model), **MODEL_ARGS))
+def reference_scheduler(model: Path, **overrides: object) -> Scheduler:
+    """An in-process scheduler on MODEL_ARGS (cpu, float32), `overrides` replacing any of them."""
+    return Scheduler(ServerArgs(model_path=str(model), **{**MODEL_ARGS, **overrides}))
 
 
 def greedy_reference(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 from serving_fixtures import CHILD_ENV
 from test_tensor_parallel_serving import GREEDY, PROMPTS, TP_ARGS, expected, model  # noqa: F401 (fixtures)
 
@@ -60,8 +61,6 @@ def test_each_replica_has_its_gpus_its_input_and_its_store(tmp_path) -> None:
 
 
 def test_start_up_refuses_replicas_it_cannot_place() -> None:
-    import torch
-
     from srt.distributed.ranks import rank_device
 
     args = ServerArgs(model_path="m", device="cuda", dp_size=2, tp_size=torch.cuda.device_count() + 1)
@@ -107,3 +106,19 @@ def _when_idle(engine: Engine, timeout: float = 30.0) -> dict:
         if idle or time.monotonic() > deadline:
             return info
         time.sleep(0.1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_replicas_on_two_gpus(model, monkeypatch) -> None:  # noqa: F811
+    """Each replica on its own GPU (fp32, the GPU's kernels and graphs): the tokens of one GPU alone."""
+    from serving_fixtures import greedy_reference, reference_scheduler
+
+    gpu = {"device": "cuda", "dtype": "float32"}
+    expected_gpu = greedy_reference(reference_scheduler(model, **gpu), PROMPTS, GREEDY["max_new_tokens"])
+    for key, value in CHILD_ENV.items():
+        monkeypatch.setenv(key, value)
+    with Engine(model_path=str(model), dp_size=2, **{**TP_ARGS, **gpu}) as engine:
+        outputs = engine.generate(input_ids=PROMPTS + PROMPTS, sampling_params=GREEDY)
+        assert [out["output_ids"] for out in outputs] == expected_gpu + expected_gpu
+        assert all(r["generated_tokens_total"] > 0 for r in _when_idle(engine)["replicas"])

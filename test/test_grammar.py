@@ -196,7 +196,8 @@ def test_constrained_and_free_requests_in_one_batch(tiny_checkpoint, compiler, t
     scheduler.check_integrity()
 
 
-def test_constrained_requests_verify_drafts_against_their_grammar(tiny_checkpoint, compiler, tokenizer):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_constrained_requests_verify_drafts_against_their_grammar(tiny_checkpoint, compiler, tokenizer, device):
     """With MTP a constrained request verifies drafts, each verify row masked by its grammar after the drafts
     before it: with drafts right for a varying number of leading tokens and wrong after (often tokens the
     grammar refuses), greedy outputs equal those without MTP; sampled ones match the schema."""
@@ -205,7 +206,7 @@ def test_constrained_requests_verify_drafts_against_their_grammar(tiny_checkpoin
     model, assistant = tiny_checkpoint(PRESET), tiny_checkpoint(f"{PRESET}-assistant")
 
     def scheduler(**overrides) -> Scheduler:
-        args = ServerArgs(model_path=str(model), device="cpu", dtype="float32", context_length=CONTEXT_LENGTH,
+        args = ServerArgs(model_path=str(model), device=device, dtype="float32", context_length=CONTEXT_LENGTH,
                           **overrides)  # fmt: skip
         return Scheduler(args)
 

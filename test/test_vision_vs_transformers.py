@@ -59,7 +59,7 @@ def references(checkpoints) -> dict[str, ReferenceModel]:
 
 
 def make_scheduler(path: Path, **overrides) -> Scheduler:
-    args = ServerArgs(model_path=str(path), device="cpu", dtype="float32", **overrides)
+    args = ServerArgs(model_path=str(path), **{"device": "cpu", "dtype": "float32", **overrides})
     return Scheduler(args, ModelRunner(args))
 
 
@@ -150,6 +150,23 @@ def test_chunk_boundary_inside_an_image(checkpoints, references, variant: str) -
     scheduler = make_scheduler(path, chunked_prefill_size=20)
     result = run_to_completion(scheduler, [request])["chunked"]
     check_against_reference(model, path, request, result, images)
+    scheduler.check_integrity()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["gemma-4-26B-A4B-it", "gemma-4-31B-it"])
+def test_bidirectional_images_with_the_gpu_defaults(checkpoints, references, variant: str) -> None:
+    """The GPU's defaults (Triton kernels with their image mask, CUDA graphs for the text steps), fp32: the
+    chunk-boundary scenario and three images beside a text-only request give transformers' tokens."""
+    path, model = checkpoints[variant], references[variant]
+    images = [seeded_image(w, h, seed=30 + i) for i, (w, h) in enumerate(SIZES)]
+    chunked = image_request(path, "chunked", TEXTS[2], images[:2])
+    scheduler = make_scheduler(path, device="cuda", chunked_prefill_size=20)
+    check_against_reference(model, path, chunked, run_to_completion(scheduler, [chunked])["chunked"], images[:2])
+    three, text_only = image_request(path, "three", TEXTS[3], images), image_request(path, "text", "Only words.", [])
+    results = run_to_completion(scheduler, [three, text_only])
+    check_against_reference(model, path, three, results["three"], images)
+    check_against_reference(model, path, text_only, results["text"], [])
     scheduler.check_integrity()
 
 
