@@ -128,14 +128,18 @@ stage_tp_prefill() {  # 31B prefill 1 x 7000, TP=1 vs TP=2
     done
 }
 
+wait_healthy() {  # until the server on port 30000 answers /health, at most $1 seconds
+    for _ in $(seq "$1"); do
+        curl -sf http://127.0.0.1:30000/health >/dev/null && return 0
+        sleep 1
+    done
+}
+
 stage_tp_serving() {  # 31B dummy bf16 with --tp-size 2 behind the HTTP server: the chat workload (1000/1000, 32)
     python3 -m srt.launch_server --model gemma-4-31B-it --load-format dummy --tp-size 2 --port 30000 \
         --log-interval 5 >"$RESULTS/server-tp2-31B.log" 2>&1 &
     server=$!
-    for _ in $(seq 300); do
-        curl -sf http://127.0.0.1:30000/health >/dev/null && break
-        sleep 1
-    done
+    wait_healthy 300
     timeout ${TP_SERVING_TIMEOUT:-300} python3 bench/bench_serving.py --base-url http://127.0.0.1:30000 --workload chat \
         --output-json "$RESULTS/serving-tp2-31B-chat.json" | grep -E "throughput|Duration|Successful|TTFT|TPOT"
     kill -TERM $server
@@ -221,10 +225,7 @@ stage_serving() {  # 30 prompts x 7000 input / 10 output tokens at full concurre
     python3 -m srt.launch_server --model gemma-4-E4B-it --load-format dummy --port 30000 \
         --log-interval ${LOG_INTERVAL:-5} ${SERVER_ARGS:-} >"$RESULTS/server.log" 2>&1 &
     server=$!
-    for _ in $(seq 240); do
-        curl -sf http://127.0.0.1:30000/health >/dev/null && break
-        sleep 1
-    done
+    wait_healthy 240
     for run in $(seq ${SERVING_RUNS:-1}); do
         suffix="" && [ "$run" -gt 1 ] && suffix="-run$run"
         timeout 300 python3 bench/bench_serving.py --base-url http://127.0.0.1:30000 --num-prompts 30 \
