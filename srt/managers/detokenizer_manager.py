@@ -54,8 +54,9 @@ class DetokenizerManager:
         self.context = zmq.Context()
         self.recv_socket = socket(self.context, zmq.PULL, port_args.detokenizer_input, bind=True)
         self.send_socket = socket(self.context, zmq.PUSH, port_args.tokenizer_input, bind=False)
-        inputs = port_args.replica_inputs or (port_args.scheduler_input,)  # one per data-parallel replica
-        self.abort_sockets = [socket(self.context, zmq.PUSH, address, bind=False) for address in inputs]
+        self.abort_sockets = [  # one per data-parallel replica
+            socket(self.context, zmq.PUSH, address, bind=False) for address in port_args.replica_inputs
+        ]
         self.states: dict[str, IncrementalDetokenizer] = {}
         self.replica_of: dict[str, int] = {}
         self.port_args = port_args

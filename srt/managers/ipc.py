@@ -37,7 +37,7 @@ class PortArgs:
     scheduler_input: str  # what a scheduler process binds: its replica's entry of `replica_inputs`
     detokenizer_input: str
     tokenizer_input: str
-    replica_inputs: tuple[str, ...] = ()  # every data-parallel replica's scheduler input, in replica order
+    replica_inputs: tuple[str, ...]  # every data-parallel replica's scheduler input, in replica order
 
     @classmethod
     def create(cls, dp_size: int = 1) -> PortArgs:

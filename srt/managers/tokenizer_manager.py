@@ -116,8 +116,8 @@ class TokenizerManager:
         self._stats_waiters: dict[int, asyncio.Future] = {}
         self._stats_ids = itertools.count()
         # one input per data-parallel replica (its rank 0 scheduler); requests go to the least loaded
-        inputs = port_args.replica_inputs or (port_args.scheduler_input,)
-        self._sends = [socket(zmq.Context.instance(), zmq.PUSH, address, bind=False) for address in inputs]
+        context = zmq.Context.instance()
+        self._sends = [socket(context, zmq.PUSH, address, bind=False) for address in port_args.replica_inputs]
         self.router = ReplicaRouter(len(self._sends))
         self._recv: zmq.asyncio.Socket | None = None
         self._loop_task: asyncio.Task | None = None
