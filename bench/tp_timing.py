@@ -4,8 +4,9 @@ One process per rank (spawned, each on GPU base + rank, joined over torch.distri
 are); every rank runs the same batches in lockstep (their collectives pair up) and rank 0 reports: prefill and
 decode-step times per batch size, its KV pool (tokens per rank), and the time of one all-reduce of a decode
 step's o / down output (float32 [batch, hidden], the message `reduce_sum` sends; two per layer, three on MoE
-layers) measured on its own, through NCCL and through the one-shot all-reduce where the ranks have one. Floors are
-not computed: bench/floors.py counts one device's bytes and FLOPs.
+layers) measured on its own, through NCCL and through the one-shot all-reduce where the ranks have one; and, on
+GPUs, from a torch.profiler trace of graphed decode steps, the device time per step of the all-reduce kernels
+beside that of all kernels. Floors are not computed: bench/floors.py counts one device's bytes and FLOPs.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from batch_fit import BatchNeed, check_runner, kv_pools
 from srt.distributed.collectives import reduce_sum
 from srt.distributed.placement import RankPlace, free_loopback_address
 from srt.model_executor.model_runner import ModelRunner
+from srt.model_executor.static_batch import generate_greedy
 from srt.server_args import ServerArgs
 
 ALL_REDUCE_ITERS = 200
+PROFILED_DECODE_STEPS = 8
 
 
 def run_tp_latency(
@@ -77,12 +80,14 @@ def _rank_main(
         if group.one_shot:
             one_shot = {bs: all_reduce_us(bs, hidden, runner.device, _model_sum(place.size)) for bs in sizes}
             reduce_us["one-shot"] = one_shot
+        profiled = {len(b): decode_kernel_us(runner, b) for b in batches} if runner.device.type == "cuda" else {}
         if place.is_first:
             output = {
                 **latency.output,
                 "tp_size": place.size,
                 "kv_pools_per_rank": kv_pools(runner),
                 "all_reduce_us": reduce_us,
+                "decode_step_kernels_us": profiled,
             }
             print_tp(output)
             if json_path is not None:
@@ -115,6 +120,27 @@ def all_reduce_us(rows: int, hidden: int, device: torch.device, total: Callable[
     return (time.perf_counter() - start) / ALL_REDUCE_ITERS * 1e6
 
 
+def decode_kernel_us(runner: ModelRunner, prompts: list[list[int]]) -> dict[str, float]:
+    """Device microseconds per decode step of the all-reduce kernels (NCCL's or the one-shot's) and of all
+    kernels, from two profiled runs of `prompts`: PROFILED_DECODE_STEPS decode steps after the prefill, minus the
+    prefill alone."""
+
+    def kernel_us(new_tokens: int) -> tuple[float, float]:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            generate_greedy(runner, prompts, new_tokens, keep_logits=False)
+            torch.cuda.synchronize(runner.device)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        reduce = sum(e.device_time for e in kernels if "allreduce" in e.name.replace("_", "").lower())
+        return reduce, sum(e.device_time for e in kernels)
+
+    prefill_reduce, prefill_all = kernel_us(1)
+    reduce, total = kernel_us(1 + PROFILED_DECODE_STEPS)
+    return {
+        "all_reduce": (reduce - prefill_reduce) / PROFILED_DECODE_STEPS,
+        "all_kernels": (total - prefill_all) / PROFILED_DECODE_STEPS,
+    }
+
+
 def print_tp(output: dict) -> None:
     pools = output["kv_pools_per_rank"]
     print(f"TP={output['tp_size']}: KV pools per rank: full {pools['full_tokens']} tokens, swa {pools['swa_tokens']}")
@@ -127,3 +153,8 @@ def print_tp(output: dict) -> None:
     for kind, by_rows in output["all_reduce_us"].items():
         for rows, micros in by_rows.items():
             print(f"all-reduce ({kind}) float32 [{rows}, hidden]: {micros:.1f} us (2 per layer, 3 on MoE layers)")
+    for rows, micros in output["decode_step_kernels_us"].items():
+        print(
+            f"all-reduce kernels per decode step of batch {rows} (profiled): {micros['all_reduce']:.0f} us of "
+            f"{micros['all_kernels']:.0f} us of kernels"
+        )

@@ -4,6 +4,7 @@ string's abort or a stream closed early."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -115,7 +116,12 @@ def test_two_replicas_on_two_gpus(model, monkeypatch) -> None:  # noqa: F811
     from serving_fixtures import greedy_reference, reference_scheduler
 
     gpu = {"device": "cuda", "dtype": "float32"}
-    expected_gpu = greedy_reference(reference_scheduler(model, **gpu), PROMPTS, GREEDY["max_new_tokens"])
+    # a small pool, released before the replicas start: by default it would take GPU 0's memory from replica 0
+    reference = reference_scheduler(model, **gpu, max_total_tokens=2048)
+    expected_gpu = greedy_reference(reference, PROMPTS, GREEDY["max_new_tokens"])
+    del reference
+    gc.collect()
+    torch.cuda.empty_cache()
     for key, value in CHILD_ENV.items():
         monkeypatch.setenv(key, value)
     with Engine(model_path=str(model), dp_size=2, **{**TP_ARGS, **gpu}) as engine:
