@@ -122,22 +122,23 @@ def all_reduce_us(rows: int, hidden: int, device: torch.device, total: Callable[
 
 def decode_kernel_us(runner: ModelRunner, prompts: list[list[int]]) -> dict[str, float]:
     """Device microseconds per decode step of the all-reduce kernels (NCCL's or the one-shot's) and of all
-    kernels, from two profiled runs of `prompts`: PROFILED_DECODE_STEPS decode steps after the prefill, minus the
-    prefill alone."""
+    kernels, and all-reduce kernels per step, from a torch.profiler trace of PROFILED_DECODE_STEPS decode steps
+    of `prompts` (the profiler starts after the prefill, which generate_greedy reads before step 1)."""
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
 
-    def kernel_us(new_tokens: int) -> tuple[float, float]:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            generate_greedy(runner, prompts, new_tokens, keep_logits=False)
-            torch.cuda.synchronize(runner.device)
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        reduce = sum(e.device_time for e in kernels if "allreduce" in e.name.replace("_", "").lower())
-        return reduce, sum(e.device_time for e in kernels)
+    def start_after_prefill(step: int) -> None:
+        if step == 1:
+            prof.start()
 
-    prefill_reduce, prefill_all = kernel_us(1)
-    reduce, total = kernel_us(1 + PROFILED_DECODE_STEPS)
+    generate_greedy(runner, prompts, 1 + PROFILED_DECODE_STEPS, keep_logits=False, before_step=start_after_prefill)
+    torch.cuda.synchronize(runner.device)
+    prof.stop()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    reduces = [e for e in kernels if "allreduce" in e.name.replace("_", "").lower()]
     return {
-        "all_reduce": (reduce - prefill_reduce) / PROFILED_DECODE_STEPS,
-        "all_kernels": (total - prefill_all) / PROFILED_DECODE_STEPS,
+        "all_reduce": sum(e.device_time for e in reduces) / PROFILED_DECODE_STEPS,
+        "all_reduce_kernels": len(reduces) / PROFILED_DECODE_STEPS,
+        "all_kernels": sum(e.device_time for e in kernels) / PROFILED_DECODE_STEPS,
     }
 
 
@@ -155,6 +156,6 @@ def print_tp(output: dict) -> None:
             print(f"all-reduce ({kind}) float32 [{rows}, hidden]: {micros:.1f} us (2 per layer, 3 on MoE layers)")
     for rows, micros in output["decode_step_kernels_us"].items():
         print(
-            f"all-reduce kernels per decode step of batch {rows} (profiled): {micros['all_reduce']:.0f} us of "
-            f"{micros['all_kernels']:.0f} us of kernels"
+            f"decode step of batch {rows} (profiled): {micros['all_reduce_kernels']:.0f} all-reduce kernels, "
+            f"{micros['all_reduce']:.0f} us of {micros['all_kernels']:.0f} us of kernels"
         )
