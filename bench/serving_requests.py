@@ -47,10 +47,12 @@ def random_requests(
 
 
 def as_chat_text(specs: list[RequestSpec], tokenizer_path: str) -> list[RequestSpec]:
-    """The same requests with their ids decoded to text (chat messages carry text, not ids)."""
-    from transformers import AutoTokenizer  # only the chat backend needs a tokenizer
+    """The same requests with their ids decoded to text (chat messages carry text, not ids), by the tokenizer the
+    server loads for `tokenizer_path` (a dummy preset's stand-in too)."""
+    from srt.managers.tokenizer_loader import load_tokenizer  # only the chat backend needs a tokenizer
+    from srt.server_args import ServerArgs
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    tokenizer = load_tokenizer(ServerArgs(model_path=tokenizer_path))
     return [RequestSpec(tokenizer.decode(s.prompt, skip_special_tokens=True), s.input_len, s.output_len) for s in specs]
 
 

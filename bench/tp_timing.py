@@ -2,11 +2,11 @@
 
 One process per rank (spawned, each on GPU base + rank, joined over torch.distributed as the server's ranks
 are); every rank runs the same batches in lockstep (their collectives pair up) and rank 0 reports: prefill and
-decode-step times per batch size, its KV pool (tokens per rank), and the time of one all-reduce of a decode
-step's o / down output (float32 [batch, hidden], the message `reduce_sum` sends; two per layer, three on MoE
-layers) measured on its own, through NCCL and through the one-shot all-reduce where the ranks have one; and, on
-GPUs, from a torch.profiler trace of graphed decode steps, the device time per step of the all-reduce kernels
-beside that of all kernels. Floors are not computed: bench/floors.py counts one device's bytes and FLOPs.
+decode-step times per batch size, its KV pool (tokens per rank), the time of one all-reduce of a decode step's
+o / down output (float32 [batch, hidden], the message `reduce_sum` sends; two per layer, three on MoE layers)
+launched eagerly on its own, and, on GPUs, from a torch.profiler trace of graphed decode steps, the device time
+per step of the all-reduce kernels beside that of all kernels. Floors are not computed: bench/floors.py counts
+one device's bytes and FLOPs.
 """
 
 from __future__ import annotations
@@ -15,14 +15,12 @@ import dataclasses
 import json
 import multiprocessing as mp
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from batch_fit import BatchNeed, check_runner, kv_pools
 
-from srt.distributed.collectives import reduce_sum
 from srt.distributed.placement import RankPlace, free_loopback_address
 from srt.model_executor.model_runner import ModelRunner
 from srt.model_executor.static_batch import generate_greedy
@@ -75,11 +73,7 @@ def _rank_main(
         check_runner(runner, needs)
         latency = run_latency(runner, batches, output_len)
         hidden = runner.model_config.hidden_size
-        sizes = sorted({len(b) for b in batches})
-        reduce_us = {"nccl": {bs: all_reduce_us(bs, hidden, runner.device, _nccl_sum) for bs in sizes}}
-        if group.one_shot:
-            one_shot = {bs: all_reduce_us(bs, hidden, runner.device, _model_sum(place.size)) for bs in sizes}
-            reduce_us["one-shot"] = one_shot
+        reduce_us = {bs: all_reduce_us(bs, hidden, runner.device) for bs in sorted({len(b) for b in batches})}
         profiled = {len(b): decode_kernel_us(runner, b) for b in batches} if runner.device.type == "cuda" else {}
         if place.is_first:
             output = {
@@ -96,32 +90,24 @@ def _rank_main(
         group.close()
 
 
-def _nccl_sum(tensor: torch.Tensor) -> None:
-    dist.all_reduce(tensor)
-
-
-def _model_sum(tp_size: int) -> Callable[[torch.Tensor], None]:
-    return lambda tensor: reduce_sum(tensor, tp_size)  # what the layers call: one-shot where it fits
-
-
-def all_reduce_us(rows: int, hidden: int, device: torch.device, total: Callable[[torch.Tensor], None]) -> float:
-    """Microseconds of one all-reduce (`total`) of a float32 [rows, hidden] tensor (a decode step's o / down
-    sum), launched back to back."""
+def all_reduce_us(rows: int, hidden: int, device: torch.device) -> float:
+    """Microseconds of one all-reduce of a float32 [rows, hidden] tensor (a decode step's o / down sum),
+    launched eagerly back to back."""
     tensor = torch.zeros(rows, hidden, dtype=torch.float32, device=device)  # sums stay finite
     for _ in range(10):
-        total(tensor)
+        dist.all_reduce(tensor)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     for _ in range(ALL_REDUCE_ITERS):
-        total(tensor)
+        dist.all_reduce(tensor)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / ALL_REDUCE_ITERS * 1e6
 
 
 def decode_kernel_us(runner: ModelRunner, prompts: list[list[int]]) -> dict[str, float]:
-    """Device microseconds per decode step of the all-reduce kernels (NCCL's or the one-shot's) and of all
+    """Device microseconds per decode step of the all-reduce kernels and of all
     kernels, and all-reduce kernels per step, from a torch.profiler trace of PROFILED_DECODE_STEPS decode steps
     of `prompts` (the profiler starts after the prefill, which generate_greedy reads before step 1)."""
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
@@ -151,9 +137,8 @@ def print_tp(output: dict) -> None:
             f" ({row['prefill_tok_per_s']:10.0f} tok/s), decode {row['decode_step_s'] * 1e3:8.2f} ms/step"
             f" ({row['decode_tok_per_s']:8.0f} tok/s)"
         )
-    for kind, by_rows in output["all_reduce_us"].items():
-        for rows, micros in by_rows.items():
-            print(f"all-reduce ({kind}) float32 [{rows}, hidden]: {micros:.1f} us (2 per layer, 3 on MoE layers)")
+    for rows, micros in output["all_reduce_us"].items():
+        print(f"all-reduce float32 [{rows}, hidden], eager: {micros:.1f} us (2 per layer, 3 on MoE layers)")
     for rows, micros in output["decode_step_kernels_us"].items():
         print(
             f"decode step of batch {rows} (profiled): {micros['all_reduce_kernels']:.0f} all-reduce kernels, "

@@ -165,12 +165,6 @@ class ServerArgs:
         "the tokenizer side sends each request to the replica with the fewest requests in flight.",
         aliases=("--data-parallel-size",),
     )
-    disable_custom_all_reduce: bool = _arg(
-        False,
-        "Send every tensor-parallel all-reduce through NCCL. By default the small ones of decode steps (up to "
-        "2 MiB, GPUs only) go through a one-shot all-reduce in symmetric memory: each rank reads the others' "
-        "partial sums over NVLink in one kernel, without NCCL's ring latency.",
-    )
     base_gpu_id: int = _arg(
         0, "The GPU of the first rank on this node; rank r of replica d uses GPU base + d * tp-size + r."
     )

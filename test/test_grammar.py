@@ -206,8 +206,9 @@ def test_constrained_requests_verify_drafts_against_their_grammar(tiny_checkpoin
     model, assistant = tiny_checkpoint(PRESET), tiny_checkpoint(f"{PRESET}-assistant")
 
     def scheduler(**overrides) -> Scheduler:
+        # a bounded pool: on a GPU the default takes most of its memory, and this test builds several schedulers
         args = ServerArgs(model_path=str(model), device=device, dtype="float32", context_length=CONTEXT_LENGTH,
-                          **overrides)  # fmt: skip
+                          max_total_tokens=4096, **overrides)  # fmt: skip
         return Scheduler(args)
 
     def request(rid: str, prompt: str, **params) -> TokenizedGenerateReq:

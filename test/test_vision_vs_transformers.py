@@ -59,7 +59,9 @@ def references(checkpoints) -> dict[str, ReferenceModel]:
 
 
 def make_scheduler(path: Path, **overrides) -> Scheduler:
-    args = ServerArgs(model_path=str(path), **{"device": "cpu", "dtype": "float32", **overrides})
+    # a bounded pool: on a GPU the default would take most of its memory for each scheduler
+    defaults = {"device": "cpu", "dtype": "float32", "max_total_tokens": 8192}
+    args = ServerArgs(model_path=str(path), **{**defaults, **overrides})
     return Scheduler(args, ModelRunner(args))
 
 

@@ -8,27 +8,12 @@ Where they sit in a Gemma 4 layer (TP = N, every rank holds 1/N of the heads and
 
 Row-parallel outputs at decode sizes come as float32 K-split partial sums (`layers/linear.py`): `reduce_sum`
 adds the splits first and all-reduces the float32 sum once, which the norm kernel then reads as one split.
-Messages that small go through the one-shot all-reduce (`one_shot.py`) where the rank installed one at start-up.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from srt.distributed.one_shot import OneShotAllReduce
-
-# This process's one-shot all-reduce on the default group: installed once, before the model is built, by the
-# rank that joins the group (a process is one rank of one group, as torch.distributed's default group is).
-_one_shot: OneShotAllReduce | None = None
-
-
-def install_one_shot_all_reduce(one_shot: OneShotAllReduce) -> None:
-    """Route `reduce_sum`'s messages that fit `one_shot` through it. Once per process."""
-    global _one_shot
-    if _one_shot is not None:
-        raise RuntimeError("this process already has a one-shot all-reduce")
-    _one_shot = one_shot
 
 
 def reduce_sum(x: torch.Tensor, tp_size: int) -> torch.Tensor:
@@ -38,8 +23,6 @@ def reduce_sum(x: torch.Tensor, tp_size: int) -> torch.Tensor:
         return x
     if x.dim() == 3:
         x = x.sum(dim=0, keepdim=True)
-    if _one_shot is not None and _one_shot.fits(x):
-        return _one_shot(x)
     dist.all_reduce(x)
     return x
 

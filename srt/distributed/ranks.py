@@ -20,8 +20,6 @@ import torch
 import torch.distributed as dist
 
 from srt import envs
-from srt.distributed.collectives import install_one_shot_all_reduce
-from srt.distributed.one_shot import try_one_shot_all_reduce
 from srt.distributed.placement import RankPlace
 from srt.server_args import ServerArgs
 
@@ -82,17 +80,6 @@ class TensorParallelGroup:
         )
         self.control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
         self._check_same_args(server_args)
-        self.one_shot = False
-        if device.type == "cuda" and not server_args.disable_custom_all_reduce:
-            self._install_one_shot(device)
-
-    def _install_one_shot(self, device: torch.device) -> None:
-        """The one-shot all-reduce for decode-size messages, on every rank or on none (a rank that could not
-        map the others' memory makes them all use NCCL)."""
-        one_shot = try_one_shot_all_reduce(device)
-        if self.agree_min([int(one_shot is not None)])[0]:
-            install_one_shot_all_reduce(one_shot)
-            self.one_shot = True
 
     def _check_same_args(self, server_args: ServerArgs) -> None:
         """ValueError on every rank when one was started with other arguments or environment switches than rank
