@@ -36,6 +36,9 @@ from srt.tools.make_checkpoint import make_checkpoint
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 LOGPROB_TOL = 2e-3
+# srt's float32 on a GPU (its Triton kernels, cuBLAS's summation orders) against transformers' float32 on the CPU:
+# 26B-A4B's three-image prompt measured 2.5e-3 apart on an H100 (2026-11-26), greedy tokens identical
+GPU_LOGPROB_TOL = 5e-3
 NEW_TOKENS = 6
 SOFT_TOKENS = {"max_soft_tokens": 70}
 VARIANTS = ("gemma-4-E2B-it", "gemma-4-E4B-it", "gemma-4-26B-A4B-it", "gemma-4-31B-it")
@@ -107,7 +110,7 @@ def reference_greedy(model: ReferenceModel, path: Path, prompt: list[int], image
     return out[0, len(prompt) :].tolist()
 
 
-def check_against_reference(model, path, request, result, images) -> None:
+def check_against_reference(model, path, request, result, images, tol: float = LOGPROB_TOL) -> None:
     assert result.output_ids == reference_greedy(model, path, request.input_ids, images)
     logprobs = reference_logprobs(model, path, request.input_ids + result.output_ids, images)
     start = request.logprob_start_len or 0
@@ -115,10 +118,10 @@ def check_against_reference(model, path, request, result, images) -> None:
         position = start + offset
         if position == 0:
             continue
-        assert lp.logprob == pytest.approx(float(logprobs[position - 1, lp.token_id]), abs=LOGPROB_TOL)
+        assert lp.logprob == pytest.approx(float(logprobs[position - 1, lp.token_id]), abs=tol)
     for step, lp in enumerate(result.output_logprobs):
         row = len(request.input_ids) - 1 + step
-        assert lp.logprob == pytest.approx(float(logprobs[row, lp.token_id]), abs=LOGPROB_TOL)
+        assert lp.logprob == pytest.approx(float(logprobs[row, lp.token_id]), abs=tol)
 
 
 TEXTS = {
@@ -164,11 +167,12 @@ def test_bidirectional_images_with_the_gpu_defaults(checkpoints, references, var
     images = [seeded_image(w, h, seed=30 + i) for i, (w, h) in enumerate(SIZES)]
     chunked = image_request(path, "chunked", TEXTS[2], images[:2])
     scheduler = make_scheduler(path, device="cuda", chunked_prefill_size=20)
-    check_against_reference(model, path, chunked, run_to_completion(scheduler, [chunked])["chunked"], images[:2])
+    result = run_to_completion(scheduler, [chunked])["chunked"]
+    check_against_reference(model, path, chunked, result, images[:2], GPU_LOGPROB_TOL)
     three, text_only = image_request(path, "three", TEXTS[3], images), image_request(path, "text", "Only words.", [])
     results = run_to_completion(scheduler, [three, text_only])
-    check_against_reference(model, path, three, results["three"], images)
-    check_against_reference(model, path, text_only, results["text"], [])
+    check_against_reference(model, path, three, results["three"], images, GPU_LOGPROB_TOL)
+    check_against_reference(model, path, text_only, results["text"], [], GPU_LOGPROB_TOL)
     scheduler.check_integrity()
 
 
