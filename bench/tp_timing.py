@@ -107,9 +107,9 @@ def all_reduce_us(rows: int, hidden: int, device: torch.device) -> float:
 
 
 def decode_kernel_us(runner: ModelRunner, prompts: list[list[int]]) -> dict[str, float]:
-    """Device microseconds per decode step of the all-reduce kernels and of all
-    kernels, and all-reduce kernels per step, from a torch.profiler trace of PROFILED_DECODE_STEPS decode steps
-    of `prompts` (the profiler starts after the prefill, which generate_greedy reads before step 1)."""
+    """Device microseconds per decode step of the all-reduce kernels and of all kernels, and all-reduce kernels
+    per step, from a torch.profiler trace of PROFILED_DECODE_STEPS decode steps of `prompts` (the profiler starts
+    after the prefill, which generate_greedy reads before step 1)."""
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
 
     def start_after_prefill(step: int) -> None:
