@@ -9,6 +9,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
 from srt.configs.model_config import ModelConfig
 from srt.multimodal.inputs import MultimodalInputs
 from srt.multimodal.media import load_image, load_video
@@ -53,12 +55,15 @@ class ImagePrompts:
             raise ValueError("image_data and video_data need a text prompt with a placeholder each (not input_ids)")
         processor = self._image_processor()
         allowed, timeout = self.server_args.allowed_local_media_path, self.server_args.media_fetch_timeout
-        images = []
-        for i, source in enumerate(single.image_data or []):
+
+        def load(indexed: tuple[int, object]) -> Image.Image:
             try:
-                images.append(load_image(source, allowed, timeout))
+                return load_image(indexed[1], allowed, timeout)
             except ValueError as error:
-                raise ValueError(f"image_data[{i}]: {error}") from None
+                raise ValueError(f"image_data[{indexed[0]}]: {error}") from None
+
+        # fetched and decoded on the processor's worker threads, like their preprocessing: URLs in parallel
+        images = list(processor.workers.map(load, enumerate(single.image_data or [])))
         videos = []
         for i, source in enumerate(single.video_data or []):
             try:
