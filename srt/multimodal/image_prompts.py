@@ -56,14 +56,15 @@ class ImagePrompts:
         processor = self._image_processor()
         allowed, timeout = self.server_args.allowed_local_media_path, self.server_args.media_fetch_timeout
 
-        def load(indexed: tuple[int, object]) -> Image.Image:
+        def load(index: int, source: object) -> Image.Image:
             try:
-                return load_image(indexed[1], allowed, timeout)
+                return load_image(source, allowed, timeout)
             except ValueError as error:
-                raise ValueError(f"image_data[{indexed[0]}]: {error}") from None
+                raise ValueError(f"image_data[{index}]: {error}") from None
 
         # fetched and decoded on the processor's worker threads, like their preprocessing: URLs in parallel
-        images = list(processor.workers.map(load, enumerate(single.image_data or [])))
+        sources = single.image_data or []
+        images = list(processor.workers.map(load, range(len(sources)), sources))
         videos = []
         for i, source in enumerate(single.video_data or []):
             try:
