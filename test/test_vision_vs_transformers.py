@@ -39,6 +39,12 @@ LOGPROB_TOL = 2e-3
 # srt's float32 on a GPU (its Triton kernels, cuBLAS's summation orders) against transformers' float32 on the CPU:
 # 26B-A4B's three-image prompt measured 2.5e-3 apart on an H100 (2026-11-26), greedy tokens identical
 GPU_LOGPROB_TOL = 5e-3
+# ... except where a summation order flips one of a token's top-k experts: the tiny random routers have near-ties
+# (26B-A4B's three-image prompt: a 2.2e-6 gap between the 4th and 5th expert at one image row of layer 4), and a
+# flip moved one log-probability by 0.024 on an H100, and on the CPU with another thread count. Up to
+# ROUTER_FLIPS positions of a MoE prompt may be off by up to ROUTER_FLIP_TOL.
+ROUTER_FLIPS = 2
+ROUTER_FLIP_TOL = 5e-2
 NEW_TOKENS = 6
 SOFT_TOKENS = {"max_soft_tokens": 70}
 VARIANTS = ("gemma-4-E2B-it", "gemma-4-E4B-it", "gemma-4-26B-A4B-it", "gemma-4-31B-it")
@@ -110,18 +116,25 @@ def reference_greedy(model: ReferenceModel, path: Path, prompt: list[int], image
     return out[0, len(prompt) :].tolist()
 
 
-def check_against_reference(model, path, request, result, images, tol: float = LOGPROB_TOL) -> None:
+def check_against_reference(model, path, request, result, images, tol: float = LOGPROB_TOL, flips: int = 0) -> None:
+    """Greedy tokens equal transformers'; every log-probability within `tol` of its own, but `flips` positions
+    within ROUTER_FLIP_TOL (a MoE router's near-tie decided the other way)."""
     assert result.output_ids == reference_greedy(model, path, request.input_ids, images)
     logprobs = reference_logprobs(model, path, request.input_ids + result.output_ids, images)
     start = request.logprob_start_len or 0
-    for offset, lp in enumerate(result.input_logprobs):
-        position = start + offset
-        if position == 0:
-            continue
-        assert lp.logprob == pytest.approx(float(logprobs[position - 1, lp.token_id]), abs=tol)
-    for step, lp in enumerate(result.output_logprobs):
-        row = len(request.input_ids) - 1 + step
-        assert lp.logprob == pytest.approx(float(logprobs[row, lp.token_id]), abs=tol)
+    pairs = [
+        (lp.logprob, float(logprobs[start + offset - 1, lp.token_id]))
+        for offset, lp in enumerate(result.input_logprobs)
+        if start + offset > 0
+    ]
+    first_output_row = len(request.input_ids) - 1
+    pairs += [
+        (lp.logprob, float(logprobs[first_output_row + step, lp.token_id]))
+        for step, lp in enumerate(result.output_logprobs)
+    ]
+    errors = sorted((abs(ours - theirs) for ours, theirs in pairs), reverse=True)
+    assert all(error <= tol for error in errors[flips:]), errors[: flips + 3]
+    assert all(error <= ROUTER_FLIP_TOL for error in errors[:flips]), errors[: flips + 3]
 
 
 TEXTS = {
@@ -164,15 +177,16 @@ def test_bidirectional_images_with_the_gpu_defaults(checkpoints, references, var
     """The GPU's defaults (Triton kernels with their image mask, CUDA graphs for the text steps), fp32: the
     chunk-boundary scenario and three images beside a text-only request give transformers' tokens."""
     path, model = checkpoints[variant], references[variant]
+    flips = ROUTER_FLIPS if "A4B" in variant else 0
     images = [seeded_image(w, h, seed=30 + i) for i, (w, h) in enumerate(SIZES)]
     chunked = image_request(path, "chunked", TEXTS[2], images[:2])
     scheduler = make_scheduler(path, device="cuda", chunked_prefill_size=20)
     result = run_to_completion(scheduler, [chunked])["chunked"]
-    check_against_reference(model, path, chunked, result, images[:2], GPU_LOGPROB_TOL)
+    check_against_reference(model, path, chunked, result, images[:2], GPU_LOGPROB_TOL, flips)
     three, text_only = image_request(path, "three", TEXTS[3], images), image_request(path, "text", "Only words.", [])
     results = run_to_completion(scheduler, [three, text_only])
-    check_against_reference(model, path, three, results["three"], images, GPU_LOGPROB_TOL)
-    check_against_reference(model, path, text_only, results["text"], [], GPU_LOGPROB_TOL)
+    check_against_reference(model, path, three, results["three"], images, GPU_LOGPROB_TOL, flips)
+    check_against_reference(model, path, text_only, results["text"], [], GPU_LOGPROB_TOL, flips)
     scheduler.check_integrity()
 
 

@@ -86,24 +86,25 @@ def decode_fp8_tiles(splits: int | str, n: int, k: int, block_k: int) -> GemmTil
     return None if block_k % tiles.block_k else tiles
 
 
-def decode_fp8_applies(x: torch.Tensor, weight: torch.Tensor, block_k: int, splits: int | str) -> bool:
-    """Whether `decode_linear_fp8` (splits 1 or 4) or `decode_gelu_mlp_fp8` (GATED) runs x @ w^T for an
-    Fp8Linear's [N, K] `weight` with `block_k` columns per scale: CUDA with TMA (Hopper), <= 32 rows of bf16 or
-    fp16, N (each half for GATED) and the K-chunks multiples of the tiles."""
+def chained_fp8_possible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a chained FP8 decode GEMM can take x @ w^T at all: CUDA with TMA (Hopper), <= 32 rows of bf16 or
+    fp16, a contiguous weight (whether its tiles fit the shape is each kernel's own test)."""
     if not (ENABLED and TensorDescriptor is not None and x.is_cuda and has_pdl(x.device)):
         return False
-    rows, k = x.shape
+    return 0 < x.shape[0] <= MAX_ROWS and weight.is_contiguous() and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def decode_fp8_applies(x: torch.Tensor, weight: torch.Tensor, block_k: int, splits: int | str) -> bool:
+    """Whether `decode_linear_fp8` (splits 1 or 4) or `decode_gelu_mlp_fp8` (GATED) runs x @ w^T for an
+    Fp8Linear's [N, K] `weight` with `block_k` columns per scale: `chained_fp8_possible`, N (each half for GATED)
+    and the K-chunks multiples of the tiles."""
+    if not chained_fp8_possible(x, weight):
+        return False
+    k = x.shape[1]
     n = weight.shape[0] // 2 if splits == GATED else weight.shape[0]
     tiles = decode_fp8_tiles(splits, n, k, block_k)
     chunks = 1 if splits == GATED else splits
-    return (
-        tiles is not None
-        and 0 < rows <= MAX_ROWS
-        and weight.is_contiguous()
-        and n % tiles.block_n == 0
-        and k % (chunks * tiles.block_k) == 0
-        and x.dtype in (torch.bfloat16, torch.float16)
-    )
+    return tiles is not None and n % tiles.block_n == 0 and k % (chunks * tiles.block_k) == 0
 
 
 def decode_linear_fp8(

@@ -31,6 +31,7 @@ from torch import nn
 
 from srt.kernels.decode_gemm import GATED, decode_gelu_mlp, decode_gemm_applies, decode_linear
 from srt.kernels.decode_gemm_fp8 import decode_fp8_applies, decode_gelu_mlp_fp8, decode_linear_fp8
+from srt.kernels.decode_gemm_fp8_variants import decode_gelu_mlp_w8a8, decode_linear_w8a8, decode_w8a8_applies
 from srt.kernels.gelu_mul import gelu_tanh_mul_packed
 from srt.layers.fp8_linear import Fp8Linear, stack_fp8
 
@@ -80,6 +81,8 @@ def gelu_mlp(x: torch.Tensor, gate_up: nn.Linear | Fp8Linear) -> torch.Tensor:
     """gelu_tanh(x @ gate^T) * (x @ up^T) of the stacked gate/up projection: at decode sizes on Hopper in the
     chained GEMM's epilogue, else the GEMM then the fused gelu * mul kernel."""
     if isinstance(gate_up, Fp8Linear):
+        if decode_w8a8_applies(x, gate_up.weight, gate_up.block_k, GATED):
+            return decode_gelu_mlp_w8a8(x, gate_up.weight, gate_up.weight_scale, gate_up.block_k)
         if decode_fp8_applies(x, gate_up.weight, gate_up.block_k, GATED):
             return decode_gelu_mlp_fp8(x, gate_up.weight, gate_up.weight_scale, gate_up.block_k)
         return gelu_tanh_mul_packed(gate_up(x))
@@ -117,7 +120,10 @@ def linear_partials(
 
 
 def _fp8_partials(x: torch.Tensor, linear: Fp8Linear) -> torch.Tensor:
-    """The chained FP8 GEMM's TRITON_SPLITS partial sums where it applies, else the FP8 layer's plain product."""
+    """The chained FP8 GEMM's TRITON_SPLITS partial sums where it applies (W8A8 where its tiles fit: on an H100
+    1.5-2x faster than weight-only, whose e4m3 -> bf16 conversions bound it), else the FP8 layer's plain product."""
+    if decode_w8a8_applies(x, linear.weight, linear.block_k, TRITON_SPLITS):
+        return decode_linear_w8a8(x, linear.weight, linear.weight_scale, linear.block_k, TRITON_SPLITS)
     if decode_fp8_applies(x, linear.weight, linear.block_k, TRITON_SPLITS):
         return decode_linear_fp8(x, linear.weight, linear.weight_scale, linear.block_k, TRITON_SPLITS)
     return linear(x)

@@ -1,0 +1,204 @@
+"""kernels/decode_gemm_fp8_variants.py: the FP8 decode GEMM's variants (fp16 operands, the swapped product, W8A8
+on FP8 tensor cores) on CPU in Triton's interpreter at small sizes, per-channel and 128 x 128 block scales:
+the weight-only ones against the dequantize-then-matmul reference, W8A8 against the same reference with the
+activations quantized as the kernel's docstring says (per row and K-step)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from srt.kernels.decode_gemm import GATED, GemmTiles
+from srt.kernels.decode_gemm_fp8_variants import (
+    FP8_MAX,
+    MIN_ABSMAX,
+    VARIANTS,
+    decode_gelu_mlp_fp8_variant,
+    decode_linear_fp8_variant,
+    decode_w8a8_applies,
+    w8a8_tiles,
+)
+from srt.kernels.gelu_mul import gelu_tanh_mul_packed
+from srt.kernels.triton_support import kernel_runs_on
+from srt.layers.fp8_linear import Fp8Linear
+from srt.model_loader.fp8 import Fp8Scheme, quantize
+
+SMALL_TILES = GemmTiles(64, 64, 2)  # 64 rows: the swapped variants' smallest BLOCK_N (wgmma's M)
+WEIGHT_ONLY = [name for name, variant in VARIANTS.items() if variant.operands != torch.float8_e4m3fn]
+
+
+def fp8_layer(n: int, k: int, strategy: str, device: str = "cpu", seed: int = 0) -> Fp8Linear:
+    """A random [n, k] weight quantized per channel or in 128 x 128 blocks (as test_fp8_linear's, without its
+    imports of the scheduler, which the GPU machine may lack the packages for)."""
+    weight = torch.randn(n, k, generator=torch.Generator(device).manual_seed(seed), device=device) / k**0.5
+    q, scale = quantize(weight, Fp8Scheme(strategy))
+    layer = Fp8Linear(k, n, None if strategy == "channel" else (128, 128), device=device)
+    layer.weight.copy_(q)
+    layer.weight_scale.copy_(layer.scale_from_checkpoint(scale))
+    return layer
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.float() - expected.float()).abs().max() / expected.float().abs().max())
+
+
+@pytest.fixture
+def interpreter() -> None:
+    """The CPU tests' skip where the kernel does not run in Triton's interpreter (a CUDA machine)."""
+    kernel = decode_linear_fp8_variant.__globals__["_decode_gemm_fp8_variant_kernel"]
+    if not kernel_runs_on(torch.device("cpu"), kernel):
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1)")
+
+
+def quantized_activations(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the W8A8 kernel multiplies it, in float32: per row and `group` columns, q = x * (448 / absmax) rounded to
+    e4m3 (torch rounds to nearest even, as the GPU's cvt.rn), times absmax / 448."""
+    rows, k = x.shape
+    x = x.float().view(rows, k // group, group)
+    absmax = x.abs().amax(dim=2, keepdim=True).clamp(min=MIN_ABSMAX)
+    fp8_max = torch.full_like(absmax, FP8_MAX)  # tensor divisions: IEEE, as the kernel's div_rn
+    q = (x * (fp8_max / absmax)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * (absmax / fp8_max)).view(rows, k)
+
+
+def run(variant: str, x: torch.Tensor, layer: Fp8Linear, splits: int | str) -> torch.Tensor:
+    args = (x, layer.weight, layer.weight_scale, layer.block_k, variant)
+    if splits == GATED:
+        return decode_gelu_mlp_fp8_variant(*args, tiles=SMALL_TILES)
+    return decode_linear_fp8_variant(*args, splits=splits, tiles=SMALL_TILES)
+
+
+def error(out: torch.Tensor, x: torch.Tensor, layer: Fp8Linear, splits: int | str) -> float:
+    """`out`'s relative error against the float32 product of (already quantized) x with the dequantized weight,
+    rounded where the kernel rounds (its 16-bit output; gelu * up's two inputs)."""
+    product = F.linear(x.float(), layer.dequantized(torch.float32))
+    if splits == GATED:
+        return relative_error(out, gelu_tanh_mul_packed(product.bfloat16()))
+    if splits == 1:
+        return relative_error(out, product.bfloat16())
+    assert out.shape == (splits, *product.shape) and out.dtype == torch.float32
+    return relative_error(out.sum(0), product)
+
+
+# bf16 output: one rounding step of the largest value; float32 partials: float32 rounding in another order
+BOUNDS = {1: 1e-2, 2: 1e-5, GATED: 1e-2}
+
+
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("strategy", ["channel", "block"])
+@pytest.mark.parametrize("variant", WEIGHT_ONLY)
+def test_weight_only_variants_match_the_dequantized_reference(variant: str, strategy: str) -> None:
+    """Rows 3 of 16, K 512: four 128-column scale blocks, so block scales change inside a K-chunk's loop."""
+    layer = fp8_layer(128, 512, strategy, seed=128 + 512)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for splits in (1, 2, GATED):
+        out = run(variant, x, layer, splits)
+        assert out.dtype == (torch.float32 if splits == 2 else x.dtype)
+        assert error(out, x, layer, splits) < BOUNDS[splits], (variant, strategy, splits)
+
+
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("strategy", ["channel", "block"])
+def test_w8a8_matches_the_reference_with_activations_quantized_per_row_and_k_step(strategy: str) -> None:
+    layer = fp8_layer(128, 512, strategy, seed=128 + 512)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(0)).bfloat16()
+    x_q = quantized_activations(x, SMALL_TILES.block_k)
+    for splits in (1, 2, GATED):
+        out = run("w8a8", x, layer, splits)
+        assert error(out, x_q, layer, splits) < BOUNDS[splits], (strategy, splits)
+        # and within e4m3's rounding of the unquantized product
+        assert error(out, x, layer, splits) < 0.08, (strategy, splits)
+
+
+@pytest.mark.usefixtures("interpreter")
+def test_w8a8_zero_rows_give_zeros() -> None:
+    """A zero row (like the tile's padding rows) quantizes with a tiny scale, not 0 / 0. (The interpreter's fp8
+    cast turns NaN into 0, so a 0 / 0 shows only on the GPU: `test_variants_at_e4b_shapes` has a zero row.)"""
+    layer = fp8_layer(64, 128, "channel", seed=64 + 128)
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(1)).bfloat16()
+    x[1] = 0
+    out = run("w8a8", x, layer, 1)
+    assert torch.isfinite(out).all() and (out[1] == 0).all() and out[0].abs().max() > 0
+
+
+def test_swapped_variants_refuse_a_tile_narrower_than_wgmmas_m() -> None:
+    layer = fp8_layer(64, 128, "channel", seed=64 + 128)
+    x = torch.randn(2, 128).bfloat16()
+    with pytest.raises(ValueError, match="multiple of 64"):
+        decode_linear_fp8_variant(
+            x, layer.weight, layer.weight_scale, layer.block_k, "w8a8", tiles=GemmTiles(32, 64, 2)
+        )
+
+
+# E4B: qkv of sliding layers, o of full layers, gate_up, down
+E4B_SHAPES = [(3072, 2560, 4), (2560, 4096, 4), (20480, 2560, GATED), (2560, 10240, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("rows", [1, 32])
+def test_variants_at_e4b_shapes(variant: str, rows: int) -> None:
+    """srt's FP8 tiles, per-channel scales; W8A8 against its quantized-activation reference, with a zero row."""
+    from srt.kernels.decode_gemm_fp8 import decode_fp8_applies, decode_fp8_tiles
+
+    if not decode_fp8_applies(torch.empty(1, 2560, device="cuda").bfloat16(), torch.empty(256, 2560), 2560, 1):
+        pytest.skip("needs TMA (Hopper) and Triton's tensor descriptors")
+    for n, k, splits in E4B_SHAPES:
+        layer = fp8_layer(n, k, "channel", "cuda", seed=n + k)
+        x = torch.randn(rows, k, device="cuda").bfloat16()
+        if rows > 1:
+            x[-1] = 0
+        tiles = decode_fp8_tiles(splits, n // 2 if splits == GATED else n, k, k)
+        args = (x, layer.weight, layer.weight_scale, layer.block_k, variant)
+        if splits == GATED:
+            out = decode_gelu_mlp_fp8_variant(*args, tiles=tiles)
+        else:
+            out = decode_linear_fp8_variant(*args, splits=splits, tiles=tiles)
+        assert torch.isfinite(out).all(), (n, k, splits)
+        reference_x = quantized_activations(x, tiles.block_k) if variant == "w8a8" else x
+        # float32 partials: tensor-core accumulation in another order
+        bound = 1e-2 if splits == GATED else 1e-3
+        assert error(out, reference_x, layer, splits) < bound, (n, k, splits)
+
+
+def test_srt_takes_w8a8_tiles_that_fit_each_shape() -> None:
+    """4 K-splits: 128 x 128 tiles, 64-wide K-steps where a K-chunk is no multiple of 128 (31B); gate_up: 64 x 128;
+    none where nothing fits (the weight-only kernel or the layer's own GEMM then runs)."""
+    assert w8a8_tiles(4, 2560, 10240, 10240) == GemmTiles(128, 128, 3, 8)  # E4B down, per channel
+    assert w8a8_tiles(4, 2560, 10240, 128) == GemmTiles(128, 128, 3, 8)  # 128 x 128 block scales
+    assert w8a8_tiles(4, 16384, 5376, 5376) == GemmTiles(256, 64, 6, 4)  # 31B qkv: chunks of 1344
+    assert w8a8_tiles(GATED, 21504, 5376, 5376) == GemmTiles(64, 128, 3, 4)  # 31B gate_up, each half
+    assert w8a8_tiles(GATED, 2112, 2816, 2816) == GemmTiles(64, 128, 3, 4)  # 26B-A4B gate_up (bf16 tiles: none)
+    assert w8a8_tiles(4, 2816, 2112, 2112) is None  # 26B-A4B down: K-chunks of 528 columns
+    assert not decode_w8a8_applies(torch.zeros(1, 2560).bfloat16(), torch.zeros(2560, 2560), 2560, 4)  # CPU
+
+
+# through the layers: E4B qkv (sliding), gate_up, down; 31B qkv (full, 4 chunks of 1344), gate_up; 26B-A4B gate_up
+LAYER_SHAPES = [
+    (3072, 2560, 4),
+    (20480, 2560, GATED),
+    (2560, 10240, 4),
+    (18432, 5376, 4),
+    (43008, 5376, GATED),
+    (4224, 2816, GATED),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["channel", "block"])
+@pytest.mark.parametrize("rows", [1, 32])
+def test_fp8_projections_decode_as_w8a8(strategy: str, rows: int) -> None:
+    """`project` / `gelu_mlp` of an Fp8Linear at decode sizes on Hopper take the W8A8 kernel with srt's tiles and
+    give the W8A8 product: activations quantized per row and K-step, within float32 / bf16 rounding."""
+    from srt.layers.linear import gelu_mlp, project
+
+    for n, k, splits in LAYER_SHAPES:
+        layer = fp8_layer(n, k, strategy, "cuda", seed=n + k)
+        x = torch.randn(rows, k, device="cuda").bfloat16()
+        if not decode_w8a8_applies(x, layer.weight, layer.block_k, splits):
+            pytest.skip("needs TMA (Hopper) and Triton's tensor descriptors")
+        out = gelu_mlp(x, layer) if splits == GATED else project(x, layer)
+        tiles = w8a8_tiles(splits, n // 2 if splits == GATED else n, k, layer.block_k)
+        bound = 1e-2 if splits == GATED else 1e-3
+        assert error(out, quantized_activations(x, tiles.block_k), layer, splits) < bound, (n, k, splits)
