@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from fp8_fixtures import fp8_layer, relative_error
 from test_scheduler import greedy, make_scheduler, prompts
 from torch import nn
 
@@ -28,19 +29,6 @@ from srt.server_args import ServerArgs
 from srt.tools.make_checkpoint import make_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def fp8_layer(n: int, k: int, strategy: str, device: str = "cpu", seed: int = 0) -> Fp8Linear:
-    weight = torch.randn(n, k, generator=torch.Generator(device).manual_seed(seed), device=device) / k**0.5
-    q, scale = quantize(weight, Fp8Scheme(strategy))
-    layer = Fp8Linear(k, n, None if strategy == "channel" else (128, 128), device=device)
-    layer.weight.copy_(q)
-    layer.weight_scale.copy_(layer.scale_from_checkpoint(scale))
-    return layer
-
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((got.float() - expected.float()).abs().max() / expected.float().abs().max())
 
 
 @pytest.mark.parametrize("strategy", ["channel", "block"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fp8_linear import fp8_layer, relative_error
+from fp8_fixtures import fp8_layer, relative_error
 
 from srt.kernels.decode_gemm import GATED, GemmTiles, tiles_for
 from srt.kernels.decode_gemm_fp8 import decode_fp8_applies, decode_fp8_tiles, decode_gelu_mlp_fp8, decode_linear_fp8

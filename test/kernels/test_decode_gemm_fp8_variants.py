@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from fp8_fixtures import fp8_layer, relative_error
 
 from srt.kernels.decode_gemm import GATED, GemmTiles
 from srt.kernels.decode_gemm_fp8_variants import (
@@ -22,25 +23,9 @@ from srt.kernels.decode_gemm_fp8_variants import (
 from srt.kernels.gelu_mul import gelu_tanh_mul_packed
 from srt.kernels.triton_support import kernel_runs_on
 from srt.layers.fp8_linear import Fp8Linear
-from srt.model_loader.fp8 import Fp8Scheme, quantize
 
 SMALL_TILES = GemmTiles(64, 64, 2)  # 64 rows: the swapped variants' smallest BLOCK_N (wgmma's M)
 WEIGHT_ONLY = [name for name, variant in VARIANTS.items() if variant.operands != torch.float8_e4m3fn]
-
-
-def fp8_layer(n: int, k: int, strategy: str, device: str = "cpu", seed: int = 0) -> Fp8Linear:
-    """A random [n, k] weight quantized per channel or in 128 x 128 blocks (as test_fp8_linear's, without its
-    imports of the scheduler, which the GPU machine may lack the packages for)."""
-    weight = torch.randn(n, k, generator=torch.Generator(device).manual_seed(seed), device=device) / k**0.5
-    q, scale = quantize(weight, Fp8Scheme(strategy))
-    layer = Fp8Linear(k, n, None if strategy == "channel" else (128, 128), device=device)
-    layer.weight.copy_(q)
-    layer.weight_scale.copy_(layer.scale_from_checkpoint(scale))
-    return layer
-
-
-def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((got.float() - expected.float()).abs().max() / expected.float().abs().max())
 
 
 @pytest.fixture
