@@ -10,14 +10,16 @@ What runs (`fp8_decode_plan.py`): the dense decode projections of E4B, 26B-A4B a
 (q/k/v stacked, o, gate_up with gelu * up in the epilogue, down; 26B-A4B's experts are not dense projections),
 at 1 and 32 rows, each as srt calls it in a decode step:
 
-- each kernel family's tiles (BLOCK_N, BLOCK_K, STAGES, warps): "fp8", srt's kernel (weights upcast to bf16), and
+- each kernel family's tiles (BLOCK_N, BLOCK_K, STAGES, warps): "fp8", the weight-only kernel (weights upcast to
+  bf16; srt's decode path before the sweep, its fallback since), and
   the variants of `srt/kernels/decode_gemm_fp8_variants.py` ("fp16", "swap_fp16", "w8a8"; "swap_bf16" on
   request), first at the caller's 4 K-splits (and the fewest splits that give a full wave of CTAs), then the 2
   fastest tiles of each family at every splits count in (1, 2, 3, 4, 6, 8) that divides K;
 - srt's bf16 decode GEMM (`decode_gemm.py`, its own tiles) and cuBLAS's (F.linear), on the weight in bf16;
 - torch._scaled_mm W8A8 (x quantized per token by srt's `kernels/fp8_quant.py`, per-channel weight scales),
-  with and without the quantize kernel; "fp8 srt" is srt's FP8 path today: its kernel and tiles, or this
-  _scaled_mm where its tiles do not divide the shape;
+  with and without the quantize kernel; "fp8 srt" is srt's FP8 path before the sweep: the weight-only kernel
+  and tiles, or this _scaled_mm where its tiles do not divide the shape (srt now runs "w8a8" with the tiles of
+  `decode_gemm_fp8_variants.W8A8_TILES`, chosen from this sweep's 2026-11-26 run);
 - the floor: FP8 weight and scale bytes over the copy bandwidth measured as `bench/floors.py` does (bytes read
   and written by a 1 GiB device copy), and over a nominal 3.35 TB/s.
 
