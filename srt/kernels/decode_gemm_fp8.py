@@ -137,13 +137,19 @@ def decode_gelu_mlp_fp8(
     return out
 
 
+def tma_operands(x: torch.Tensor, weight: torch.Tensor, tiles: GemmTiles) -> tuple[int, object, object]:
+    """BLOCK_M for x's rows, and the TMA descriptors of x [rows, K] (contiguous) and of an FP8 weight [N, K] in
+    `tiles`' blocks: what every chained FP8 decode kernel loads."""
+    block_m = max(16, triton.next_power_of_2(x.shape[0]))
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, tiles.block_k])
+    return block_m, x_desc, TensorDescriptor.from_tensor(weight, [tiles.block_n, tiles.block_k])
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int, out: torch.Tensor,
             splits: int, n: int, tiles: GemmTiles, gated: bool) -> None:  # fmt: skip
     x = x.contiguous()
     rows, k = x.shape
-    block_m = max(16, triton.next_power_of_2(rows))
-    x_desc = TensorDescriptor.from_tensor(x, [block_m, tiles.block_k])
-    w_desc = TensorDescriptor.from_tensor(weight, [tiles.block_n, tiles.block_k])
+    block_m, x_desc, w_desc = tma_operands(x, weight, tiles)
     launch = pdl_launch(x.device, _decode_gemm_fp8_kernel)
     precision, upcast = dot_options(_decode_gemm_fp8_kernel, x.dtype)
     _decode_gemm_fp8_kernel[(n // tiles.block_n, splits)](

@@ -36,12 +36,12 @@ from typing import NamedTuple
 
 import torch
 
-from srt.kernels.decode_gemm import GATED, GemmTiles, TensorDescriptor
-from srt.kernels.decode_gemm_fp8 import chained_fp8_possible, decode_fp8_tiles
+from srt.kernels.decode_gemm import GATED, GemmTiles
+from srt.kernels.decode_gemm_fp8 import chained_fp8_possible, decode_fp8_tiles, tma_operands
+from srt.kernels.fp8_quant import FP8_MAX
 from srt.kernels.gelu_mul import gelu_tanh_mul_rounded
-from srt.kernels.triton_support import dot_options, jit, pdl_launch, pdl_start, round_to, round_to_e4m3, tl, triton
+from srt.kernels.triton_support import dot_options, jit, pdl_launch, pdl_start, round_to, round_to_e4m3, tl
 
-FP8_MAX = 448.0
 # a zero row's absmax becomes this: scale float32's tiny (as `fp8_quant.quantize_fp8`), q 0 (no 0 * inf)
 MIN_ABSMAX = FP8_MAX * torch.finfo(torch.float32).tiny
 
@@ -144,9 +144,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k:
         raise ValueError(f"a swapped variant needs BLOCK_N a multiple of 64 (wgmma's M), got {tiles.block_n}")
     x = x.contiguous()
     rows, k = x.shape
-    block_m = max(16, triton.next_power_of_2(rows))
-    x_desc = TensorDescriptor.from_tensor(x, [block_m, tiles.block_k])
-    w_desc = TensorDescriptor.from_tensor(weight, [tiles.block_n, tiles.block_k])
+    block_m, x_desc, w_desc = tma_operands(x, weight, tiles)
     launch = pdl_launch(x.device, _decode_gemm_fp8_variant_kernel)
     precision, interpreted = dot_options(_decode_gemm_fp8_variant_kernel, x.dtype)
     _decode_gemm_fp8_variant_kernel[(n // tiles.block_n, splits)](

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from srt.kernels.triton_support import jit, runs_triton, tl
+from srt.kernels.triton_support import jit, round_to_e4m3, runs_triton, tl
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
@@ -84,18 +84,3 @@ def _quantize_kernel(x_ptr, out_ptr, scale_ptr, k, row_stride, group, groups, fp
         values = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
         q = tl.clamp(tl.div_rn(values, scale), -fp8_max, fp8_max)  # IEEE division, as torch's
         tl.store(out_row + cols, round_to_e4m3(q).to(out_ptr.dtype.element_ty), mask=cols < end)
-
-
-@jit
-def round_to_e4m3(x):
-    """float32 `x` (|x| <= 448) rounded to the nearest float8_e4m3fn value (ties to even), as float32, so the
-    cast after it is exact: Triton's CPU interpreter truncates float32 -> float8 casts where the GPU rounds,
-    and this keeps the tested path and the GPU path the same code (as `triton_support.round_to` for bf16).
-    Normal values keep 3 of float32's 23 mantissa bits; below 2^-6 the grid is 2^-9 (subnormals), which adding
-    and subtracting 1.5 * 2^14 (a float32 ulp of 2^-9 there) rounds |x| to; the sign is put back after (a tiny
-    negative value rounds to -0, as torch's cast)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    normal = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
-    magnitude = (tl.abs(x) + 24576.0) - 24576.0
-    subnormal = tl.where(x < 0, -magnitude, magnitude)
-    return tl.where(tl.abs(x) < 0.015625, subnormal, normal.to(tl.float32, bitcast=True))
