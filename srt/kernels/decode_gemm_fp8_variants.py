@@ -70,9 +70,9 @@ def decode_linear_fp8_variant(
     splits: int = 1,
     tiles: GemmTiles | None = None,
 ) -> torch.Tensor:
-    """`decode_linear_fp8` (same arguments and outputs) computed as `VARIANTS[variant]`; call where
-    `decode_fp8_applies` (swapped variants: BLOCK_N a multiple of 64), or on CPU tensors under
-    TRITON_INTERPRET=1 with `tiles` given."""
+    """`decode_linear_fp8` (same arguments and outputs) computed as `VARIANTS[variant]`; call where `tiles` (by
+    default the weight-only kernel's) fit as `decode_fp8_applies` checks them (swapped variants: BLOCK_N a
+    multiple of 64; srt's W8A8 path: `decode_w8a8_applies`), or on CPU tensors under TRITON_INTERPRET=1."""
     rows, n = x.shape[0], weight.shape[0]
     shape = (rows, n) if splits == 1 else (splits, rows, n)
     out = torch.empty(shape, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
