@@ -41,8 +41,8 @@ stage_decode() {  # decode at batch 1 and 32 (512-token context) and the 7000-to
 }
 
 stage_fp8() {  # bf16 vs --quantization fp8 side by side: decode E4B batch 1 and 32, 31B batch 1 (512-token
-    # context), prefill 1 x 7000 of E4B, then the FP8 kernels' GPU tests. FP8_MODELS overrides "E4B:1 32;31B:1";
-    # FP8_PARTS (default "decode prefill tests") splits the stage over device calls if it outgrows one.
+    # context), prefill 1 x 7000 of E4B, then the FP8 kernels' GPU tests. FP8_MODELS overrides "E4B:1 32;31B:1",
+    # FP8_PREFILL_MODELS "E4B"; FP8_PARTS (default "decode prefill tests") splits the stage over device calls.
     # With --quantization fp8 the floors count the dense projections at one byte per weight (MoE experts at 16 bits).
     parts=" ${FP8_PARTS:-decode prefill tests} "
     IFS=';' read -ra runs <<<"${FP8_MODELS:-E4B:1 32;31B:1}"
@@ -50,16 +50,19 @@ stage_fp8() {  # bf16 vs --quantization fp8 side by side: decode E4B batch 1 and
         model=${run%%:*}
         for quant in bf16 fp8; do
             flag="" && [ $quant = fp8 ] && flag="--quantization fp8"
+            [ "$model" = 26B-A4B ] && flag="$flag --swa-full-tokens-ratio 1"
             echo "--- $model $quant decode"
             timeout 280 $BENCH --model-path gemma-4-$model-it $flag --batch-size ${run#*:} --input-len 512 \
                 --output-len 32 --json "$RESULTS/fp8-decode-$model-$quant.json" 2>&1 | grep -E "^batch|Error|error"
         done
     done
-    [[ $parts == *" prefill "* ]] && for quant in bf16 fp8; do
-        flag="" && [ $quant = fp8 ] && flag="--quantization fp8"
-        echo "--- E4B $quant prefill 1 x 7000"
-        timeout 240 $BENCH --model-path gemma-4-E4B-it $flag --batch-size 1 --input-len 7000 --output-len 2 \
-            --json "$RESULTS/fp8-prefill-E4B-$quant.json" 2>&1 | grep -E "^batch|Error|error"
+    [[ $parts == *" prefill "* ]] && for model in ${FP8_PREFILL_MODELS:-E4B}; do
+        for quant in bf16 fp8; do
+            flag="" && [ $quant = fp8 ] && flag="--quantization fp8"
+            echo "--- $model $quant prefill 1 x 7000"
+            timeout 240 $BENCH --model-path gemma-4-$model-it $flag --batch-size 1 --input-len 7000 --output-len 2 \
+                --json "$RESULTS/fp8-prefill-$model-$quant.json" 2>&1 | grep -E "^batch|Error|error"
+        done
     done
     [[ $parts == *" tests "* ]] && TESTS="test/kernels/test_decode_gemm_fp8_kernel.py \
         test/kernels/test_fp8_quant_kernel.py test/kernels/test_fp8_block_gemm_kernel.py test/test_fp8_linear.py \

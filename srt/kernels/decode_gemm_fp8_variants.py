@@ -38,12 +38,9 @@ import torch
 
 from srt.kernels.decode_gemm import GATED, GemmTiles
 from srt.kernels.decode_gemm_fp8 import chained_fp8_possible, decode_fp8_tiles, tma_operands
-from srt.kernels.fp8_quant import FP8_MAX
+from srt.kernels.fp8_quant import FP8_MAX, MIN_ABSMAX, quantize_tile_rows
 from srt.kernels.gelu_mul import gelu_tanh_mul_rounded
-from srt.kernels.triton_support import dot_options, jit, pdl_launch, pdl_start, round_to, round_to_e4m3, tl
-
-# a zero row's absmax becomes this: scale float32's tiny (as `fp8_quant.quantize_fp8`), q 0 (no 0 * inf)
-MIN_ABSMAX = FP8_MAX * torch.finfo(torch.float32).tiny
+from srt.kernels.triton_support import dot_options, jit, pdl_launch, pdl_start, round_to, tl
 
 
 class Variant(NamedTuple):
@@ -180,7 +177,7 @@ def _decode_gemm_fp8_variant_kernel(
     for k in tl.range(k_start, k_start + k_per_split, BLOCK_K, num_stages=STAGES):
         x = x_desc.load([0, k])
         if OPERAND == tl.float8e4nv:
-            x, x_scale = _quantize_rows(x, FP8_MAX, MIN_ABSMAX, INTERPRETED)
+            x, x_scale = quantize_tile_rows(x, FP8_MAX, MIN_ABSMAX, INTERPRETED)
         else:
             x, x_scale = x.to(OPERAND), 1.0
         w_scales = scale_ptr + offs_n * scale_cols + k // SCALE_K  # this K-step's block scales (not PER_CHANNEL)
@@ -225,19 +222,6 @@ def _step(acc, x, x_scale, w, w_scales, PER_CHANNEL: tl.constexpr, OPERAND: tl.c
     if not PER_CHANNEL:
         product = product * _per_column(tl.load(w_scales), SWAP)
     return acc + product
-
-
-@jit
-def _quantize_rows(x, FP8_MAX: tl.constexpr, MIN_ABSMAX: tl.constexpr, INTERPRETED: tl.constexpr):
-    """x [BLOCK_M, BLOCK_K] -> (float8e4nv q, float32 scale [BLOCK_M]) with x ~ q * scale: scale = absmax / 448,
-    q = x * (448 / absmax) rounded to nearest even."""
-    x = x.to(tl.float32)
-    absmax = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_ABSMAX)
-    inverse = tl.div_rn(tl.full(absmax.shape, FP8_MAX, tl.float32), absmax)  # IEEE, as the torch reference's
-    q = tl.clamp(x * inverse[:, None], -FP8_MAX, FP8_MAX)
-    if INTERPRETED:  # the interpreter's float32 -> fp8 cast truncates; the GPU's (cvt.rn) rounds to nearest even
-        q = round_to_e4m3(q)
-    return q.to(tl.float8e4nv), tl.div_rn(absmax, FP8_MAX)
 
 
 @jit

@@ -17,6 +17,9 @@ from srt.kernels.triton_support import jit, round_to_e4m3, runs_triton, tl
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 _TINY = torch.finfo(torch.float32).tiny
+# in-kernel quantization (`quantize_tile_rows`): a zero row's absmax becomes this, so its scale is float32's tiny
+# (as `quantize_fp8`'s) and q is 0 (no 0 * inf)
+MIN_ABSMAX = FP8_MAX * _TINY
 BLOCK = 1024
 
 
@@ -84,3 +87,18 @@ def _quantize_kernel(x_ptr, out_ptr, scale_ptr, k, row_stride, group, groups, fp
         values = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
         q = tl.clamp(tl.div_rn(values, scale), -fp8_max, fp8_max)  # IEEE division, as torch's
         tl.store(out_row + cols, round_to_e4m3(q).to(out_ptr.dtype.element_ty), mask=cols < end)
+
+
+@jit
+def quantize_tile_rows(x, FP8_MAX: tl.constexpr, MIN_ABSMAX: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A GEMM kernel's activation tile x [BLOCK_M, BLOCK_K] -> (float8e4nv q, float32 scale [BLOCK_M]) with
+    x ~ q * scale per row: scale = absmax / 448, q = x * (448 / absmax) rounded to nearest even (a multiply per
+    value, not `quantize_fp8`'s division; the two can differ by one e4m3 step). The W8A8 decode GEMM quantizes
+    each K-step of its rows with it (`decode_gemm_fp8_variants.py`)."""
+    x = x.to(tl.float32)
+    absmax = tl.maximum(tl.max(tl.abs(x), axis=1), MIN_ABSMAX)
+    inverse = tl.div_rn(tl.full(absmax.shape, FP8_MAX, tl.float32), absmax)  # IEEE, as the torch reference's
+    q = tl.clamp(x * inverse[:, None], -FP8_MAX, FP8_MAX)
+    if INTERPRETED:  # the interpreter's float32 -> fp8 cast truncates; the GPU's (cvt.rn) rounds to nearest even
+        q = round_to_e4m3(q)
+    return q.to(tl.float8e4nv), tl.div_rn(absmax, FP8_MAX)

@@ -75,6 +75,12 @@ def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """FP8 (e4m3) MMAs: CUDA devices of compute capability 8.9 (Ada) and up (Hopper, ...)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
 def has_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: Hopper and later."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

@@ -27,14 +27,13 @@ GEMMs (`fp8_linear`, what `Fp8Linear.forward` runs; `layers/linear.py` sends dec
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from srt.kernels.fp8_block_gemm import block_fp8_gemm
 from srt.kernels.fp8_quant import FP8, quantize_fp8, quantize_fp8_reference
+from srt.kernels.triton_support import has_fp8_tensor_cores
 
 
 class Fp8Linear(nn.Module):
@@ -116,11 +115,6 @@ def dequantize_activations(q: torch.Tensor, scale: torch.Tensor, group: int | No
     return q.float() * scale.repeat_interleave(group, dim=1)[:, : q.shape[1]]
 
 
-@functools.cache
-def _has_fp8_tensor_cores(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def scaled_mm_applies(x: torch.Tensor, layer: Fp8Linear) -> bool:
     """Whether `fp8_linear` runs torch._scaled_mm: CUDA with FP8 tensor cores (Ada, Hopper and later), bf16
     activations, per-channel scales, K and N multiples of 16."""
@@ -128,7 +122,7 @@ def scaled_mm_applies(x: torch.Tensor, layer: Fp8Linear) -> bool:
         x.is_cuda
         and layer.block is None
         and x.dtype == torch.bfloat16
-        and _has_fp8_tensor_cores(x.device)
+        and has_fp8_tensor_cores(x.device)
         and layer.in_features % 16 == 0
         and layer.out_features % 16 == 0
     )
@@ -142,7 +136,7 @@ def block_gemm_applies(x: torch.Tensor, layer: Fp8Linear) -> bool:
         x.is_cuda
         and layer.block is not None
         and x.dtype in (torch.bfloat16, torch.float16)
-        and _has_fp8_tensor_cores(x.device)
+        and has_fp8_tensor_cores(x.device)
         and width >= 16
         and width & (width - 1) == 0
     )

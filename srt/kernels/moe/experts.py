@@ -19,6 +19,13 @@ before the dot (exact: every e4m3 value is a bf16 and an fp16 value), and the fl
 are multiplied by their output channel's scale in the epilogue: before gelu(gate) * up in kernel 1, before
 the routing weight in kernel 2. x @ (q * s).T == (x @ q.T) * s, so this is the dequantized GEMM with half
 the weight bytes streamed.
+
+W8A8 (`ExpertsConfig.w8a8`: prefill sizes on GPUs with FP8 tensor cores): the rows come in quantized too, as
+float8_e4m3fn with a float32 scale per row (`fp8_quant.quantize_fp8`: per token for kernel 1, per slot of
+gelu(gate) * up for kernel 2), the FP8 tiles multiply as they are on the FP8 tensor cores (twice the bf16 rate,
+no upcast), and the epilogue scales by the row's scale beside the column's. The numerics of the dense FP8 prefill
+GEMMs (per-token activation scales), not of the dequantized reference. At decode sizes the weight bytes bound
+the kernels, so they stay weight-only: W8A8 measured no faster there (docs/benchmarks.md, FP8).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from srt.kernels.gelu_mul import gelu_tanh_f32
-from srt.kernels.triton_support import dot_options, jit, kernel_runs_on, tl, triton
+from srt.kernels.triton_support import dot_options, has_fp8_tensor_cores, jit, kernel_runs_on, tl, triton
 
 
 @dataclass(frozen=True)
@@ -43,13 +50,26 @@ class ExpertsConfig:
     # read from registers, where an upcast FP8 tile is; and its row count (BLOCK_N), not a decode batch's few
     # rows, fills the MMA's M. An option for the sweeps (bench_moe.py --fp8), off by default.
     swap_ab: bool = False
+    # FP8 weights only: the rows are quantized per row before the kernels, FP8 MMAs (module docstring)
+    w8a8: bool = False
 
 
-def default_experts_config(num_slots: int, num_experts: int, on_gpu: bool, fp8: bool = False) -> ExpertsConfig:
-    """Block shapes by the mean number of slots per expert (decode: ~0 to 2, prefill: hundreds)."""
+# W8A8 blocks by slots per expert above decode sizes (H100, bench_moe.py --fp8, 2026-11-26: 512 tokens 435 us
+# against 561 weight-only and 718 bf16; 7000 tokens 1,482 against 2,550 and 2,050)
+W8A8_UP_TO_64_PER_EXPERT = ExpertsConfig(64, 64, 128, 128, 4, 4, w8a8=True)
+W8A8_MORE_PER_EXPERT = ExpertsConfig(128, 64, 256, 128, 8, 3, w8a8=True)
+
+
+def default_experts_config(
+    num_slots: int, num_experts: int, on_gpu: bool, fp8: bool = False, w8a8: bool = False
+) -> ExpertsConfig:
+    """Block shapes by the mean number of slots per expert (decode: ~0 to 2, prefill: hundreds). `w8a8`: the
+    FP8 weights' rows may be quantized too (`w8a8_possible`), which prefill sizes then do."""
     if not on_gpu:
         return ExpertsConfig(16, 16, 16, 16, 4, 1)
     per_expert = num_slots / num_experts
+    if per_expert > 4 and w8a8:  # decode sizes stream weights: W8A8 measured within 3% of weight-only there
+        return W8A8_UP_TO_64_PER_EXPERT if per_expert <= 64 else W8A8_MORE_PER_EXPERT
     if per_expert <= 4 and fp8:  # twice the K per tile: as many weight bytes in flight as the bf16 tiles
         return ExpertsConfig(16, 32, 64, 256, 4, 4)
     if per_expert <= 4:  # weight streaming: many narrow programs keep enough loads in flight
@@ -63,6 +83,7 @@ def default_experts_config(num_slots: int, num_experts: int, on_gpu: bool, fp8: 
 @jit
 def _gate_up_kernel(
     x_ptr,
+    x_scale_ptr,
     w_ptr,
     scale_ptr,
     act_ptr,
@@ -85,6 +106,7 @@ def _gate_up_kernel(
     UPCAST: tl.constexpr,
     W_FP8: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    A_FP8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -113,22 +135,25 @@ def _gate_up_kernel(
         w_ok = k_ok[:, None] & col_ok[None, :]
         w_gate = tl.load(gate_ptrs + k0, mask=w_ok, other=0.0)
         w_up = tl.load(up_ptrs + k0, mask=w_ok, other=0.0)
-        if W_FP8:
+        if W_FP8:  # weight-only: upcast to x's dtype; W8A8: x is FP8 already and nothing converts
             w_gate, w_up = w_gate.to(x.dtype), w_up.to(x.dtype)
         if UPCAST:
             x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
         if SWAP_AB:
-            gate = tl.dot(tl.trans(w_gate), tl.trans(x), gate, input_precision=PRECISION)
-            up = tl.dot(tl.trans(w_up), tl.trans(x), up, input_precision=PRECISION)
+            gate = _dot(tl.trans(w_gate), tl.trans(x), gate, PRECISION, BLOCK_K)
+            up = _dot(tl.trans(w_up), tl.trans(x), up, PRECISION, BLOCK_K)
         else:
-            gate = tl.dot(x, w_gate, gate, input_precision=PRECISION)
-            up = tl.dot(x, w_up, up, input_precision=PRECISION)
+            gate = _dot(x, w_gate, gate, PRECISION, BLOCK_K)
+            up = _dot(x, w_up, up, PRECISION, BLOCK_K)
     if SWAP_AB:
         gate, up = tl.trans(gate), tl.trans(up)
     if W_FP8:  # per output channel: gate's columns, then up's (inter further on)
         scale_ptrs = scale_ptr + expert * stride_se + offs_n
         gate *= tl.load(scale_ptrs, mask=col_ok, other=0.0)[None, :]
         up *= tl.load(scale_ptrs + INTER, mask=col_ok, other=0.0)[None, :]
+    if A_FP8:  # per token
+        x_scale = tl.load(x_scale_ptr + tokens, mask=row_ok, other=0.0)[:, None]
+        gate, up = gate * x_scale, up * x_scale
     act = gelu_tanh_f32(gate) * up
     act_ptrs = act_ptr + slots[:, None].to(tl.int64) * stride_act + offs_n[None, :]
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -137,6 +162,7 @@ def _gate_up_kernel(
 @jit
 def _down_kernel(
     act_ptr,
+    act_scale_ptr,
     w_ptr,
     scale_ptr,
     out_ptr,
@@ -159,6 +185,7 @@ def _down_kernel(
     UPCAST: tl.constexpr,
     W_FP8: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    A_FP8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -186,16 +213,36 @@ def _down_kernel(
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
         if SWAP_AB:
-            acc = tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=PRECISION)
+            acc = _dot(tl.trans(w), tl.trans(a), acc, PRECISION, BLOCK_K)
         else:
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            acc = _dot(a, w, acc, PRECISION, BLOCK_K)
     if SWAP_AB:
         acc = tl.trans(acc)
     if W_FP8:
         acc *= tl.load(scale_ptr + expert * stride_se + offs_n, mask=col_ok, other=0.0)[None, :]
+    if A_FP8:  # per slot
+        acc *= tl.load(act_scale_ptr + slots64, mask=row_ok, other=0.0)[:, None]
     acc = acc * tl.load(weights_ptr + slots64, mask=row_ok, other=0.0)[:, None]
     out_ptrs = out_ptr + slots64[:, None] * stride_out + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def w8a8_possible(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether W8A8 blocks can multiply `hidden`'s rows by `weight`: FP8 weights, 16-bit activations (float32
+    ones keep their precision: weight-only), a device with FP8 tensor cores."""
+    fp8 = weight.dtype == torch.float8_e4m3fn
+    return fp8 and hidden.dtype in (torch.bfloat16, torch.float16) and has_fp8_tensor_cores(hidden.device)
+
+
+@jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + a @ b. FP8 operands (W8A8): sm90's FP8 MMA sums its products in reduced precision (about 14 bits),
+    and Triton lets it run over the whole K loop there; this adds its sum into the float32 accumulator every K
+    step instead (as DeepGEMM and cuBLAS do: 1.3% off the float32 product at 2048 tokens before, H100)."""
+    if a.dtype.is_fp8():
+        return tl.dot(a, b, acc, input_precision=PRECISION, max_num_imprecise_acc=BLOCK_K)
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 def runs_on(device: torch.device) -> bool:
@@ -208,16 +255,33 @@ def _dot_options(x: torch.Tensor) -> dict[str, object]:
     return {"PRECISION": precision, "UPCAST": upcast}
 
 
-def _fp8_options(weight: torch.Tensor, scale: torch.Tensor | None, scale_shape: tuple[int, ...]) -> dict[str, object]:
-    """The kernels' FP8 arguments: the scale tensor (its stride per expert) with W_FP8, or none of it."""
+def _fp8_options(
+    weight: torch.Tensor, scale: torch.Tensor | None, scale_shape: tuple[int, ...], rows: torch.Tensor
+) -> dict[str, object]:
+    """The kernels' FP8 arguments: the scale tensor (its stride per expert) with W_FP8, or none of it; A_FP8
+    where the rows are float8_e4m3fn too (W8A8, FP8 weights only)."""
     fp8 = weight.dtype == torch.float8_e4m3fn
     if fp8 != (scale is not None):
         raise ValueError(f"float8_e4m3fn weights come with a scale and 16-bit ones without (got {weight.dtype})")
+    a_fp8 = rows.dtype == torch.float8_e4m3fn
+    if a_fp8 and not fp8:
+        raise ValueError(f"float8_e4m3fn rows multiply float8_e4m3fn weights only, got {weight.dtype}")
     if not fp8:
-        return {"scale_ptr": None, "stride_se": 0, "W_FP8": False}
+        return {"scale_ptr": None, "stride_se": 0, "W_FP8": False, "A_FP8": False}
     if tuple(scale.shape) != scale_shape or scale.dtype != torch.float32 or scale.stride(-1) != 1:
         raise ValueError(f"FP8 scale must be float32 {list(scale_shape)} with unit column stride; got {scale.shape}")
-    return {"scale_ptr": scale, "stride_se": scale.stride(0), "W_FP8": True}
+    return {"scale_ptr": scale, "stride_se": scale.stride(0), "W_FP8": True, "A_FP8": a_fp8}
+
+
+def _row_scale(rows: torch.Tensor, row_scale: torch.Tensor | None) -> torch.Tensor | None:
+    """The float32 scale per row that float8_e4m3fn rows come with (`quantize_fp8`'s [rows, 1]); 16-bit rows none."""
+    if (rows.dtype == torch.float8_e4m3fn) != (row_scale is not None):
+        raise ValueError(f"float8_e4m3fn rows come with a scale per row and 16-bit ones without (got {rows.dtype})")
+    if row_scale is None:
+        return None
+    if row_scale.shape not in ((rows.shape[0],), (rows.shape[0], 1)) or row_scale.dtype != torch.float32:
+        raise ValueError(f"row scale must be float32 [{rows.shape[0]}] or [{rows.shape[0]}, 1]; got {row_scale.shape}")
+    return row_scale.contiguous()
 
 
 def grouped_gate_up(
@@ -229,16 +293,20 @@ def grouped_gate_up(
     top_k: int,
     config: ExpertsConfig,
     scale: torch.Tensor | None = None,
+    hidden_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """act [tokens * top_k, inter] = gelu_tanh(x @ gate.T) * (x @ up.T) of each slot's token and expert.
-    FP8 `gate_up_proj` comes with its float32 `scale` [experts, 2 * inter] (w = q * scale[..., None])."""
+    """act [tokens * top_k, inter] = gelu_tanh(x @ gate.T) * (x @ up.T) of each slot's token and expert, in
+    `out_dtype` (default: hidden's). FP8 `gate_up_proj` comes with its float32 `scale` [experts, 2 * inter]
+    (w = q * scale[..., None]); FP8 `hidden` (W8A8) with its float32 `hidden_scale` per token."""
     tokens, hidden_size = hidden.shape
     inter = gate_up_proj.shape[1] // 2
     num_slots = tokens * top_k
-    act = torch.empty(num_slots, inter, dtype=hidden.dtype, device=hidden.device)
+    act = torch.empty(num_slots, inter, dtype=out_dtype or hidden.dtype, device=hidden.device)
     grid = (block_expert.numel(), triton.cdiv(inter, config.block_n_gate_up))
     _gate_up_kernel[grid](
         x_ptr=hidden,
+        x_scale_ptr=_row_scale(hidden, hidden_scale),
         w_ptr=gate_up_proj,
         act_ptr=act,
         slot_of_row_ptr=slot_of_row,
@@ -249,7 +317,7 @@ def grouped_gate_up(
         stride_we=gate_up_proj.stride(0),
         stride_wn=gate_up_proj.stride(1),
         stride_act=act.stride(0),
-        **_fp8_options(gate_up_proj, scale, (gate_up_proj.shape[0], 2 * inter)),
+        **_fp8_options(gate_up_proj, scale, (gate_up_proj.shape[0], 2 * inter), hidden),
         TOP_K=top_k,
         HIDDEN=hidden_size,
         INTER=inter,
@@ -273,15 +341,19 @@ def grouped_down(
     num_rows: torch.Tensor,
     config: ExpertsConfig,
     scale: torch.Tensor | None = None,
+    act_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """out [tokens * top_k, hidden] = (act @ down.T) * routing weight, per slot (weights: float32 [slots]).
-    FP8 `down_proj` comes with its float32 `scale` [experts, hidden]."""
+    """out [tokens * top_k, hidden] = (act @ down.T) * routing weight, per slot (weights: float32 [slots]), in
+    `out_dtype` (default: act's). FP8 `down_proj` comes with its float32 `scale` [experts, hidden]; FP8 `act`
+    (W8A8) with its float32 `act_scale` per slot."""
     num_slots, inter = act.shape
     hidden_size = down_proj.shape[1]
-    out = torch.empty(num_slots, hidden_size, dtype=act.dtype, device=act.device)
+    out = torch.empty(num_slots, hidden_size, dtype=out_dtype or act.dtype, device=act.device)
     grid = (block_expert.numel(), triton.cdiv(hidden_size, config.block_n_down))
     _down_kernel[grid](
         act_ptr=act,
+        act_scale_ptr=_row_scale(act, act_scale),
         w_ptr=down_proj,
         out_ptr=out,
         weights_ptr=weights,
@@ -293,7 +365,7 @@ def grouped_down(
         stride_we=down_proj.stride(0),
         stride_wn=down_proj.stride(1),
         stride_out=out.stride(0),
-        **_fp8_options(down_proj, scale, tuple(down_proj.shape[:2])),
+        **_fp8_options(down_proj, scale, tuple(down_proj.shape[:2]), act),
         HIDDEN=hidden_size,
         INTER=inter,
         BLOCK_M=config.block_m,

@@ -5,9 +5,10 @@ a loop over the experts that received tokens. It is the CPU path and the test or
 
 FP8 experts (#26): `quantize_fp8()` replaces both weights in place by float8_e4m3fn ones with a float32 scale
 per output channel (gate_up_proj_scale [experts, 2 * inter], down_proj_scale [experts, hidden]); weights are
-`q * scale[..., None]`. Only the weights are quantized: activations stay in the model dtype, the kernels
-upcast each FP8 tile and multiply the accumulator by the column scales, and `forward_reference` dequantizes
-the experts it runs and then multiplies (the same math, the oracle of the kernels).
+`q * scale[..., None]`. At decode sizes only the weights are quantized: activations stay in the model dtype,
+the kernels upcast each FP8 tile and multiply the accumulator by the column scales, and `forward_reference`
+dequantizes the experts it runs and then multiplies (the same math, the oracle of the kernels). At prefill
+sizes on FP8 tensor cores the fused path quantizes the activations per token too (W8A8, `fused_experts.py`).
 """
 
 from __future__ import annotations

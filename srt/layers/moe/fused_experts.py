@@ -12,10 +12,12 @@ token's top_k weighted outputs:
   expert order (`ExpertRuns`), gelu * up and the weighting in torch between and after.
 
 FP8 experts (`Experts.quantize_fp8`: float8_e4m3fn weights, float32 scales per output channel) run on "triton"
-only: its kernels upcast each weight tile to the activations' dtype and scale the accumulator's columns in
-the epilogue (weight-only FP8: half the bytes streamed, the same activations). grouped_mm refuses them:
-`torch._scaled_grouped_mm` multiplies FP8 by FP8, which would quantize the activations too (other numerics
-than the dequantized reference), so `default_backend` picks triton when the weights are FP8.
+only. At decode sizes its kernels upcast each weight tile to the activations' dtype and scale the accumulator's
+columns in the epilogue (weight-only FP8: half the bytes streamed, the same activations). At prefill sizes on
+FP8 tensor cores they run W8A8: the rows are quantized per token (and gelu(gate) * up per slot) by
+`fp8_quant.quantize_fp8` and multiplied on the FP8 tensor cores, as the dense FP8 prefill GEMMs do
+(`ExpertsConfig.w8a8`; float32 activations stay weight-only). grouped_mm refuses FP8 weights (bf16 only), so
+`default_backend` picks triton for them.
 
 `fused_experts` runs the one asked for, or `default_backend`'s pick, and raises ValueError where neither can
 run (`Experts.forward` calls it only on CUDA or when a backend is forced). The torch loop
@@ -29,6 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from srt.kernels.fp8_quant import quantize_fp8
 from srt.kernels.moe import align as align_kernel
 from srt.kernels.moe import experts as experts_kernels
 from srt.layers.graph_mode import in_cuda_graph_step
@@ -104,17 +107,29 @@ def triton_experts(
     tokens, top_k = expert_ids.shape
     num_experts = gate_up_proj.shape[0]
     if config is None:
+        w8a8 = experts_kernels.w8a8_possible(hidden, gate_up_proj)
         config = experts_kernels.default_experts_config(
-            tokens * top_k, num_experts, hidden.is_cuda, fp8=gate_up_proj.dtype == FP8
+            tokens * top_k, num_experts, hidden.is_cuda, fp8=gate_up_proj.dtype == FP8, w8a8=w8a8
         )
     if expert_ids.numel() <= align_kernel.ALIGN_MAX_SLOTS:  # decode sizes: one launch, not ~20
         blocks = ExpertBlocks(*align_kernel.align_slots(expert_ids, num_experts, config.block_m))
     else:
         blocks = pad_to_blocks(sort_by_expert(expert_ids, num_experts), config.block_m)
     hidden, gate_up_proj, down_proj = hidden.contiguous(), gate_up_proj.contiguous(), down_proj.contiguous()
-    act = experts_kernels.grouped_gate_up(hidden, gate_up_proj, *blocks, top_k, config, gate_up_scale)
     flat_weights = weights.reshape(-1).float().contiguous()
-    per_slot = experts_kernels.grouped_down(act, down_proj, flat_weights, *blocks, config, down_scale)
+    if not config.w8a8:
+        act = experts_kernels.grouped_gate_up(hidden, gate_up_proj, *blocks, top_k, config, gate_up_scale)
+        per_slot = experts_kernels.grouped_down(act, down_proj, flat_weights, *blocks, config, down_scale)
+        return _combine(per_slot, tokens, top_k)
+    # W8A8: each token's row, then each slot's gelu(gate) * up, quantized with one scale per row
+    x_q, x_scale = quantize_fp8(hidden, use_triton=hidden.is_cuda)
+    act = experts_kernels.grouped_gate_up(
+        x_q, gate_up_proj, *blocks, top_k, config, gate_up_scale, x_scale, out_dtype=hidden.dtype
+    )
+    act_q, act_scale = quantize_fp8(act, use_triton=hidden.is_cuda)
+    per_slot = experts_kernels.grouped_down(
+        act_q, down_proj, flat_weights, *blocks, config, down_scale, act_scale, out_dtype=hidden.dtype
+    )
     return _combine(per_slot, tokens, top_k)
 
 

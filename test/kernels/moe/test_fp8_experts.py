@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from test_experts_kernels import (
     BF16_TOL,
@@ -36,7 +37,9 @@ from test_experts_kernels import (
     requires_triton,
 )
 
+from srt.kernels.fp8_quant import quantize_fp8_reference
 from srt.kernels.moe import experts as experts_kernels
+from srt.kernels.moe.align import align_slots
 from srt.layers.moe import fused_experts as fe
 from srt.layers.moe.experts import Experts, quantize_experts_fp8
 from srt.model_loader.fp8 import FP8, FP8_MAX
@@ -71,13 +74,19 @@ def run_fp8(backend: str, experts: Experts, hidden: torch.Tensor, weights: torch
 
 def check_fp8(experts: Experts, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> float:
     """The FP8 triton experts against the float32 dequantized loop (asserted within bounds); returns the error."""
+    w8a8 = experts_kernels.w8a8_possible(hidden, experts.gate_up_proj)
+    config = experts_kernels.default_experts_config(ids.numel(), experts.num_experts, hidden.is_cuda, True, w8a8)
     with torch.no_grad():
         out = run_fp8("triton", experts, hidden, weights, ids)
         exact = experts.forward_reference(hidden.float(), weights, ids)
         loop = experts.forward_reference(hidden, weights, ids)
+        if config.w8a8:  # prefill sizes on FP8 tensor cores: the activations are quantized too
+            exact = w8a8_reference(experts, hidden, weights, ids)
     assert out.shape == hidden.shape and out.dtype == hidden.dtype
     error = relative_error(out, exact)
-    if hidden.dtype == torch.float32:
+    if config.w8a8:
+        assert error < BF16_TOL, error
+    elif hidden.dtype == torch.float32:
         assert error < FP32_TOL, error
     else:
         assert error < max(BF16_TOL, 2 * relative_error(loop, exact)), error
@@ -164,6 +173,95 @@ def test_swap_ab_blocks_match_the_loop(dtype: torch.dtype) -> None:
             )
             exact = experts.forward_reference(hidden.float(), weights, ids)  # weights upcast (or dequantized)
         assert relative_error(out, exact) < (FP32_TOL if dtype == torch.float32 else BF16_TOL)
+
+
+def quantized_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the W8A8 kernels multiply it, in float32: `quantize_fp8_reference` per row, dequantized."""
+    q, scale = quantize_fp8_reference(x)
+    return q.float() * scale
+
+
+def w8a8_slots_reference(
+    experts: Experts, x: torch.Tensor, ids: torch.Tensor, proj: str, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One W8A8 kernel's output per slot (slot = token * top_k + k), in float32, from float32 rows `x` (per
+    token for "gate_up", per slot for "down") and the dequantized weights: gelu(gate) * up for "gate_up", times
+    the routing weight for "down"."""
+    tokens, top_k = ids.shape
+    width = experts.gate_up_proj.shape[1] // 2 if proj == "gate_up" else experts.down_proj.shape[1]
+    out = torch.empty(tokens * top_k, width, device=x.device)
+    for expert in torch.unique(ids).tolist():
+        token_idx, k = torch.where(ids == expert)
+        slots = token_idx * top_k + k
+        gate_up_proj, down_proj = experts.expert_weights(expert, torch.float32)
+        if proj == "gate_up":
+            gate, up = F.linear(x[token_idx], gate_up_proj).chunk(2, dim=-1)
+            out[slots] = F.gelu(gate, approximate="tanh") * up
+        else:
+            out[slots] = F.linear(x[slots], down_proj) * weights[token_idx, k, None]
+    return out
+
+
+def w8a8_reference(experts: Experts, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The W8A8 experts' output (float32): rows quantized per token, gelu(gate) * up rounded to the activations'
+    dtype (the kernel stores it so) and quantized per slot, each slot's output rounded before the top_k sum."""
+    act = w8a8_slots_reference(experts, quantized_rows(hidden), ids, "gate_up").to(hidden.dtype)
+    per_slot = w8a8_slots_reference(experts, quantized_rows(act), ids, "down", weights).to(hidden.dtype)
+    return per_slot.float().view(*ids.shape, -1).sum(dim=1)
+
+
+@requires_triton
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_w8a8_blocks_multiply_quantized_rows(swap_ab: bool) -> None:
+    """The kernels on FP8 rows with a scale per row (W8A8), each against the same product in float32 (their
+    float32 outputs: exact up to float32 rounding); hidden 40 and inter 24 leave partial K-steps and tiles. The
+    whole W8A8 path in bf16 stays within FP8_VS_16BIT_TOL of the 16-bit experts; FP8 rows need FP8 weights and
+    their scales."""
+    experts16 = make_experts(8, 40, 24, torch.float32)
+    experts = fp8_copy(experts16)
+    hidden = 4 * torch.randn(5, 40, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    hidden[2] = 0  # a zero row: scale float32's tiny, q 0
+    weights, ids = make_routing(5, 8, 3)
+    config = experts_kernels.ExpertsConfig(16, 16, 16, 16, 4, 1, swap_ab=swap_ab, w8a8=True)
+    blocks = align_slots(ids.int(), 8, config.block_m)
+    x_q, x_scale = quantize_fp8_reference(hidden)
+    with torch.no_grad():
+        act = experts_kernels.grouped_gate_up(x_q, experts.gate_up_proj, *blocks, 3, config,
+                                              experts.gate_up_proj_scale, x_scale, out_dtype=torch.float32)  # fmt: skip
+        act_q, act_scale = quantize_fp8_reference(act)
+        per_slot = experts_kernels.grouped_down(act_q, experts.down_proj, weights.reshape(-1).float(), *blocks,
+                                                config, experts.down_proj_scale, act_scale, torch.float32)  # fmt: skip
+    assert act.dtype == per_slot.dtype == torch.float32
+    expected_act = w8a8_slots_reference(experts, x_q.float() * x_scale, ids, "gate_up")
+    assert relative_error(act, expected_act) < FP32_TOL
+    expected = w8a8_slots_reference(experts, act_q.float() * act_scale, ids, "down", weights)
+    assert relative_error(per_slot, expected) < FP32_TOL
+    assert torch.equal(per_slot.view(5, 3, -1)[2], torch.zeros(3, 40))
+
+    scales = {"gate_up_scale": experts.gate_up_proj_scale, "down_scale": experts.down_proj_scale}
+    with torch.no_grad():
+        out = fe.triton_experts(hidden.bfloat16(), experts.gate_up_proj, experts.down_proj, weights, ids.int(),
+                                config, **scales)  # fmt: skip
+        full = experts16.forward_reference(hidden, weights, ids)
+    assert out.dtype == torch.bfloat16 and relative_error(out, full) < FP8_VS_16BIT_TOL
+    with pytest.raises(ValueError, match="float8_e4m3fn rows multiply float8_e4m3fn weights only"):
+        experts_kernels.grouped_gate_up(x_q, experts16.gate_up_proj, *blocks, 3, config, None, x_scale)
+    with pytest.raises(ValueError, match="float8_e4m3fn rows come with a scale per row"):
+        experts_kernels.grouped_gate_up(x_q, experts.gate_up_proj, *blocks, 3, config, experts.gate_up_proj_scale)
+
+
+def test_w8a8_is_the_prefill_default_only_where_fp8_tensor_cores_multiply_16_bit_rows() -> None:
+    """Prefill sizes of FP8 experts run W8A8 on GPUs with FP8 tensor cores and 16-bit activations; float32
+    activations (the exact tests), CPUs and decode sizes stay weight-only."""
+    fp8 = torch.empty(2, 2, dtype=FP8)
+    assert not experts_kernels.w8a8_possible(torch.empty(1, 2, dtype=torch.bfloat16), fp8)  # CPU
+    if torch.cuda.is_available() and experts_kernels.has_fp8_tensor_cores(torch.device("cuda")):
+        assert experts_kernels.w8a8_possible(torch.empty(1, 2, dtype=torch.bfloat16, device="cuda"), fp8.cuda())
+        assert not experts_kernels.w8a8_possible(torch.empty(1, 2, device="cuda"), fp8.cuda())
+    decode = experts_kernels.default_experts_config(32 * 8, 128, on_gpu=True, fp8=True, w8a8=True)
+    prefill = experts_kernels.default_experts_config(7000 * 8, 128, on_gpu=True, fp8=True, w8a8=True)
+    assert prefill.w8a8 and not decode.w8a8
+    assert not experts_kernels.default_experts_config(7000 * 8, 128, on_gpu=True, fp8=True).w8a8
 
 
 def dequantized_checkpoint(path: Path, out: Path, model: torch.nn.Module) -> int:
