@@ -97,11 +97,34 @@ def decode_gelu_mlp_fp8_variant(
 # srt's W8A8 tiles, from the H100 sweep of 2026-11-26 (tune-decode-gemm-fp8-h100.json; E4B and 31B projections at
 # 1 and 32 rows): within 1.18x of each shape's fastest W8A8 tiles at 4 K-splits and 1.08x for gate_up; K-chunks
 # that are no multiple of 128 (31B: 5376 / 4 = 1344) take 64-wide K-steps (31B qkv's fastest)
-W8A8_TILES = {4: (GemmTiles(128, 128, 3, 8), GemmTiles(256, 64, 6, 4)), GATED: (GemmTiles(64, 128, 3, 4),)}
+WIDE_TILES = GemmTiles(128, 128, 3, 8)
+W8A8_TILES = {
+    8: (WIDE_TILES,),
+    4: (WIDE_TILES, GemmTiles(256, 64, 6, 4)),
+    2: (WIDE_TILES,),
+    GATED: (GemmTiles(64, 128, 3, 4),),
+}
+# fewer programs than this at 4 K-splits leave the H100's 132 SMs short of a full wave: 8 splits then
+FULL_WAVE_PROGRAMS = 96
+
+
+def w8a8_splits(n: int, k: int, block_k: int) -> int:
+    """The K-chunks of srt's W8A8 GEMM for an [n, k] weight (the same sweep): 4; 8 where 4 would run fewer than
+    FULL_WAVE_PROGRAMS programs of the wide tiles (E4B down 16.5 -> 12.8 us, E4B and 26B-A4B o); 2 where the wide
+    tiles' 128-column K-steps fit halves of K but not quarters (31B qkv 38.3 -> 36.7 us, 26B-A4B qkv 12.5 -> 11.8)."""
+
+    def wide_tiles_fit(splits: int) -> bool:
+        return w8a8_tiles(splits, n, k, block_k) == WIDE_TILES
+
+    if n // WIDE_TILES.block_n * 4 < FULL_WAVE_PROGRAMS and wide_tiles_fit(8):
+        return 8
+    if not wide_tiles_fit(4) and wide_tiles_fit(2):
+        return 2
+    return 4
 
 
 def w8a8_tiles(splits: int | str, n: int, k: int, block_k: int) -> GemmTiles | None:
-    """srt's W8A8 tiles for `splits` (4 or GATED), width n (each half for GATED) and K; None where none fit (the
+    """srt's W8A8 tiles for `splits` (8, 4, 2 or GATED), width n (each half for GATED) and K; None where none fit (the
     K-chunks and the scale blocks must be multiples of BLOCK_K, n of BLOCK_N)."""
     chunk = k if splits == GATED else k // splits
     for tiles in W8A8_TILES.get(splits, ()):
@@ -111,7 +134,7 @@ def w8a8_tiles(splits: int | str, n: int, k: int, block_k: int) -> GemmTiles | N
 
 
 def decode_w8a8_applies(x: torch.Tensor, weight: torch.Tensor, block_k: int, splits: int | str) -> bool:
-    """Whether `decode_linear_w8a8` (splits 4) or `decode_gelu_mlp_w8a8` (GATED) runs x @ w^T for an Fp8Linear's
+    """Whether `decode_linear_w8a8` (`w8a8_splits`) or `decode_gelu_mlp_w8a8` (GATED) runs x @ w^T for an Fp8Linear's
     [N, K] weight with `block_k` columns per scale: CUDA with TMA (Hopper), <= 32 rows of bf16 or fp16, and srt's
     W8A8 tiles fit."""
     n = weight.shape[0] // 2 if splits == GATED else weight.shape[0]

@@ -31,7 +31,12 @@ from torch import nn
 
 from srt.kernels.decode_gemm import GATED, decode_gelu_mlp, decode_gemm_applies, decode_linear
 from srt.kernels.decode_gemm_fp8 import decode_fp8_applies, decode_gelu_mlp_fp8, decode_linear_fp8
-from srt.kernels.decode_gemm_fp8_variants import decode_gelu_mlp_w8a8, decode_linear_w8a8, decode_w8a8_applies
+from srt.kernels.decode_gemm_fp8_variants import (
+    decode_gelu_mlp_w8a8,
+    decode_linear_w8a8,
+    decode_w8a8_applies,
+    w8a8_splits,
+)
 from srt.kernels.gelu_mul import gelu_tanh_mul_packed
 from srt.layers.fp8_linear import Fp8Linear, stack_fp8
 
@@ -120,10 +125,12 @@ def linear_partials(
 
 
 def _fp8_partials(x: torch.Tensor, linear: Fp8Linear) -> torch.Tensor:
-    """The chained FP8 GEMM's TRITON_SPLITS partial sums where it applies (W8A8 where its tiles fit: on an H100
-    1.5-2x faster than weight-only, whose e4m3 -> bf16 conversions bound it), else the FP8 layer's plain product."""
-    if decode_w8a8_applies(x, linear.weight, linear.block_k, TRITON_SPLITS):
-        return decode_linear_w8a8(x, linear.weight, linear.weight_scale, linear.block_k, TRITON_SPLITS)
+    """The chained FP8 GEMM's partial sums where it applies (W8A8 over `w8a8_splits` K-chunks where its tiles fit:
+    on an H100 1.5-2x faster than weight-only, whose e4m3 -> bf16 conversions bound it; else weight-only over
+    TRITON_SPLITS), else the FP8 layer's plain product."""
+    splits = w8a8_splits(linear.weight.shape[0], x.shape[1], linear.block_k)
+    if decode_w8a8_applies(x, linear.weight, linear.block_k, splits):
+        return decode_linear_w8a8(x, linear.weight, linear.weight_scale, linear.block_k, splits)
     if decode_fp8_applies(x, linear.weight, linear.block_k, TRITON_SPLITS):
         return decode_linear_fp8(x, linear.weight, linear.weight_scale, linear.block_k, TRITON_SPLITS)
     return linear(x)

@@ -18,6 +18,7 @@ from srt.kernels.decode_gemm_fp8_variants import (
     decode_gelu_mlp_fp8_variant,
     decode_linear_fp8_variant,
     decode_w8a8_applies,
+    w8a8_splits,
     w8a8_tiles,
 )
 from srt.kernels.gelu_mul import gelu_tanh_mul_packed
@@ -159,7 +160,19 @@ def test_srt_takes_w8a8_tiles_that_fit_each_shape() -> None:
     assert not decode_w8a8_applies(torch.zeros(1, 2560).bfloat16(), torch.zeros(2560, 2560), 2560, 4)  # CPU
 
 
-# through the layers: E4B qkv (sliding), gate_up, down; 31B qkv (full, 4 chunks of 1344), gate_up; 26B-A4B gate_up
+def test_srt_splits_k_to_fill_the_gpu_with_wide_tiles() -> None:
+    """8 K-chunks where 4 would run under a wave of 128-column programs, if 128-wide K-steps fit (E4B q: no);
+    2 where those fit halves of K but not quarters; else 4 (the 64-wide K-steps' tiles, or nothing, then)."""
+    assert w8a8_splits(2560, 10240, 10240) == 8  # E4B down: 80 programs at 4 chunks
+    assert w8a8_splits(2816, 4096, 128) == 8  # 26B-A4B o, 128 x 128 block scales
+    assert w8a8_splits(2048, 2560, 2560) == 4  # E4B q: 2560 / 8 = 320 columns per chunk
+    assert w8a8_splits(3072, 2560, 2560) == 4  # E4B qkv: 96 programs
+    assert w8a8_splits(16384, 5376, 5376) == 2  # 31B qkv: 1344 / 128 is no whole number
+    assert w8a8_splits(5376, 21504, 5376) == 4  # 31B down
+    assert w8a8_splits(2816, 2112, 2112) == 4 and w8a8_tiles(4, 2816, 2112, 2112) is None  # 26B-A4B down
+
+
+# through the layers: E4B qkv (sliding), gate_up, down (8 chunks); 31B qkv (full, 2 chunks), gate_up; 26B-A4B gate_up
 LAYER_SHAPES = [
     (3072, 2560, 4),
     (20480, 2560, GATED),
@@ -181,9 +194,12 @@ def test_fp8_projections_decode_as_w8a8(strategy: str, rows: int) -> None:
     for n, k, splits in LAYER_SHAPES:
         layer = fp8_layer(n, k, strategy, "cuda", seed=n + k)
         x = torch.randn(rows, k, device="cuda").bfloat16()
+        if splits != GATED:
+            splits = w8a8_splits(n, k, layer.block_k)
         if not decode_w8a8_applies(x, layer.weight, layer.block_k, splits):
             pytest.skip("needs TMA (Hopper) and Triton's tensor descriptors")
         out = gelu_mlp(x, layer) if splits == GATED else project(x, layer)
+        assert out.shape[0] == splits or splits == GATED, (n, k, out.shape)
         tiles = w8a8_tiles(splits, n // 2 if splits == GATED else n, k, layer.block_k)
         bound = 1e-2 if splits == GATED else 1e-3
         assert error(out, quantized_activations(x, tiles.block_k), layer, splits) < bound, (n, k, splits)
