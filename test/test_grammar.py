@@ -167,6 +167,25 @@ def test_tool_call_grammar_gives_calls_that_validate(compiler, matchers, tokeniz
                 jsonschema.validate(arguments, SCHEMA if call.name == "get_weather" else {"const": {}})
 
 
+def test_control_tokens_are_never_text_but_the_call_syntax_keeps_its_own(compiler, matchers, tokenizer):
+    """xgrammar read `<pad>`, `<|channel>`, ... as their names' characters inside a JSON string, and a reply
+    sampled at temperature 1 lost them (or opened a reasoning section there): no control token but the stop ids
+    is ever allowed in a JSON reply, while the tool-call grammar starts with Gemma's `<|tool_call>` token."""
+    vocab = tokenizer.get_vocab()
+    control = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special} - set(STOP_IDS)
+    assert {vocab["<pad>"], vocab["<|channel>"], vocab["<|turn>"]} <= control
+    rng = random.Random(1)
+    schema = compiler.compile("json_schema", json.dumps(SCHEMA))
+    for _ in range(20):
+        grammar = matchers.matcher(schema)
+        inside_string = tokenizer('{"city": "', add_special_tokens=False)["input_ids"]
+        assert grammar.accept_tokens(inside_string) == len(inside_string)
+        assert not control & set(allowed(grammar))
+        assert not control & set(random_walk(grammar, rng))
+    call = matchers.matcher(compiler.compile("ebnf", tool_call_grammar(TOOLS, None, False)))
+    assert vocab["<|tool_call>"] in allowed(call)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_constrained_and_free_requests_in_one_batch(tiny_checkpoint, compiler, tokenizer, device):
     """Greedy free requests get the tokens they get alone; the constrained ones beside them match their schema."""

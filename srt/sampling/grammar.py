@@ -68,9 +68,31 @@ def check_grammar(kind: str, source: object) -> None:
         raise ValueError(f"{kind} is invalid: {_message(error)}") from None
 
 
+# control tokens a grammar may produce: Gemma 4's call syntax, which srt's tool-call grammar spells with them
+# (entrypoints/openai/tool_grammar.py); inside a JSON string neither <|"|> (a quote) nor these parse as text
+GRAMMAR_CONTROL_TOKENS = ("<|tool_call>", "<tool_call|>", '<|"|>')
+
+
 def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
-    """What xgrammar needs to know of the vocabulary: each id's text (the model's rows, padding included)."""
-    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+    """What xgrammar needs to know of the vocabulary: each id's text (the model's rows, padding included).
+
+    Control tokens (`<pad>`, `<|channel>`, `<|turn>`, `<|image>`, ...) are never text a grammar may produce,
+    but xgrammar reads one whose vocabulary entry is its literal name as those characters: "<pad>" inside a
+    JSON string. Sampled, it vanished from the decoded reply or opened a reasoning section (a JSON reply cut to
+    `{"answer": ")` at temperature 1 on a tiny checkpoint). Their entries are emptied, which xgrammar takes as
+    special: never allowed. The stop tokens still end a grammar; GRAMMAR_CONTROL_TOKENS stay as they are."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+    vocab = tokenizer.get_vocab()
+    special = {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+    control = (special | set(tokenizer.all_special_ids)) - set(stop_token_ids) - set(info.special_token_ids)
+    control -= {vocab[text] for text in GRAMMAR_CONTROL_TOKENS if text in vocab}
+    if not control:
+        return info
+    encoded = [""] * vocab_size
+    for text, token_id in vocab.items():
+        if token_id < vocab_size and token_id not in control:
+            encoded[token_id] = text
+    return xgr.TokenizerInfo.from_vocab_and_metadata(encoded, info.dump_metadata())
 
 
 class GrammarCompiler:
