@@ -86,6 +86,13 @@ class ForwardBatch:
         """Every row's logits are needed, in row order (decode, verify, prompt logprobs of every row)."""
         return self.logits_subset is None and len(self.logits_rows_cpu) == self.num_tokens
 
+    def token_req_pool_indices(self) -> torch.Tensor:
+        """[tokens] each token's request row (`req_pool_indices` repeated over each request's tokens), on the
+        device; the known length keeps the host from waiting for it."""
+        if self.mode.is_decode():
+            return self.req_pool_indices
+        return self.req_pool_indices.repeat_interleave(self.extend_seq_lens, output_size=self.num_tokens)
+
     def logits_batch(self) -> ForwardBatch:
         """The batch of the logits rows alone (YOCO's KV-shared layers run on it)."""
         return self.logits_subset if self.logits_subset is not None else self.select_rows(self.logits_rows_cpu)

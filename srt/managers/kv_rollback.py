@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from srt.forward.host_device import host_to_device
 from srt.managers.schedule_batch import Req
 from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -41,17 +42,19 @@ def give_back_kv_of(
     reqs: list[Req], num_tokens: list[int], req_to_token_pool: ReqToTokenPool, allocator: SWATokenAllocator, window: int
 ) -> torch.Tensor:
     """`give_back_kv` for several requests at once (a verify step's): every request is checked before anything
-    changes, then one gather, one free and one write serve them all."""
+    changes, then one gather, one free and one write serve them all, with nothing read back from the device."""
+    rows, positions = [], []
     for req, num in zip(reqs, num_tokens, strict=True):
         _check(req, num, window)
-    rows = [req.req_pool_idx for req, num in zip(reqs, num_tokens, strict=True) for _ in range(num)]
-    positions = [pos for req, num in zip(reqs, num_tokens, strict=True) for pos in range(req.kv_len - num, req.kv_len)]
+        rows += [req.req_pool_idx] * num
+        positions += range(req.kv_len - num, req.kv_len)
     table = req_to_token_pool.req_to_token
     if not rows:
         return torch.empty(0, dtype=torch.int64, device=table.device)
-    index = torch.tensor([rows, positions], dtype=torch.int64).to(table.device, non_blocking=True)
+    index = host_to_device([rows, positions], table.device)
     slots = table[index[0], index[1]].to(torch.int64)  # a copy: the entries are zeroed below
-    allocator.free(slots)  # the full slots and the SWA slots they map to
+    # the full slots and their SWA slots, which every one holds: `_check` keeps the tokens inside the window
+    allocator.free(slots, all_hold_swa=True)
     table[index[0], index[1]] = 0
     for req, num in zip(reqs, num_tokens, strict=True):
         req.kv_len -= num

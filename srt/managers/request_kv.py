@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from srt.forward.host_device import host_to_device
 from srt.managers.schedule_batch import Req
 from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.base_prefix_cache import PrefixCache
@@ -25,16 +26,18 @@ def cache_prefill(req: Req, req_to_token_pool: ReqToTokenPool, cache: PrefixCach
 
 
 def free_windows(reqs: list[Req], req_to_token_pool: ReqToTokenPool, allocator: SWATokenAllocator, window: int) -> None:
-    """Free the sliding-window KV the requests' next queries can no longer see, in one call."""
-    table = req_to_token_pool.req_to_token
-    freed = []
+    """Free the sliding-window KV the requests' next queries can no longer see: one gather, one free, and
+    nothing read back (the positions are the requests' own from `swa_freed_upto` on: each holds an SWA slot)."""
+    rows, positions = [], []
     for req in reqs:
         new_upto = out_of_window_upto(req.swa_freed_upto, req.kv_len, window)
-        if new_upto > req.swa_freed_upto:
-            freed.append(table[req.req_pool_idx, req.swa_freed_upto : new_upto])
-            req.swa_freed_upto = new_upto
-    if freed:
-        allocator.free_swa(torch.cat(freed).to(torch.int64))
+        rows += [req.req_pool_idx] * (new_upto - req.swa_freed_upto)
+        positions += range(req.swa_freed_upto, new_upto)
+        req.swa_freed_upto = new_upto
+    if positions:
+        table = req_to_token_pool.req_to_token
+        index = host_to_device([rows, positions], table.device)
+        allocator.free_swa(table[index[0], index[1]].to(torch.int64), all_hold_swa=True)
 
 
 def release(req: Req, req_to_token_pool: ReqToTokenPool, cache: PrefixCache) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from srt.forward.forward_batch import ForwardBatch, ForwardMode
+from srt.forward.host_device import host_to_device
 from srt.managers.io_struct import FinishReason, TokenizedGenerateReq, TokenLogprob
 from srt.mem_cache.base_prefix_cache import MatchResult
 from srt.multimodal.inputs import multimodal_batch
@@ -168,6 +169,5 @@ def fill_drafts(forward_batch: ForwardBatch, items: list[ScheduledReq], drafts: 
             draft_index.extend(range(verify * drafts.shape[1], verify * drafts.shape[1] + item.num_drafts))
             verify += 1
         start += item.num_tokens
-    device = forward_batch.input_ids.device
-    tokens = torch.tensor(token_index, dtype=torch.int64, device=device)
-    forward_batch.input_ids[tokens] = drafts.reshape(-1)[torch.tensor(draft_index, device=device)]
+    tokens, chosen = host_to_device([token_index, draft_index], forward_batch.input_ids.device)
+    forward_batch.input_ids[tokens] = drafts.reshape(-1)[chosen]

@@ -191,6 +191,9 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduleBatch | None:
         """Prompt chunks under the budgets and, mixed in first, one token of every decoding request."""
+        chunked = [req for req in self.running if req.to_compute > 1]  # at most one: a prefill in progress
+        if not chunked and not self.waiting:
+            return None  # no prompt work: a decode step
         decoding = [] if self.args.disable_mixed_batches else [req for req in self.running if req.to_compute == 1]
         decode_items = [self._decode_item(req) for req in decoding]
         self._draft_tokens = sum(item.num_drafts for item in decode_items)
@@ -203,7 +206,6 @@ class Scheduler:
             requests=self.args.max_running_requests - len(self.running),
         )
         items: list[ScheduledReq] = []
-        chunked = [req for req in self.running if req.to_compute > 1]  # at most one: a prefill in progress
         for req in chunked:
             num = self._whole_images(req, budget.fit(req.to_compute))
             if num == 0 or not self._make_room(num + len(self.running) + self._draft_tokens):
@@ -304,14 +306,8 @@ class Scheduler:
         forward_batch = batch.to_forward_batch(slots, *pools, input_ids)
         if drafts is not None:
             fill_drafts(forward_batch, batch.items, drafts)
-        if batch.mode == ForwardMode.DECODE:  # one new token per request, at its row and position
-            self.req_to_token_pool.write_one_each(forward_batch.req_pool_indices, forward_batch.positions, slots)
-        else:
-            start = 0
-            for item in batch.items:
-                item_slots = slots[start : start + item.num_tokens]
-                self.req_to_token_pool.write(item.req.req_pool_idx, item.req.kv_len, item_slots)
-                start += item.num_tokens
+        # each new token's slot at its request's row and its position, in one op for the whole batch
+        self.req_to_token_pool.write_one_each(forward_batch.token_req_pool_indices(), forward_batch.positions, slots)
         output = self.runner.forward(forward_batch)
         logits = output.logits
 
@@ -336,7 +332,7 @@ class Scheduler:
         verify = self.spec.launch_verify(verify_items, verify_rows, drafts, output) if verify_items else None
         if self.spec is not None and sampled_reqs:
             # the next round drafts from the hidden state that sampled each request's newest token
-            for req, hidden in zip(sampled_reqs, output.hidden_states[sample_rows], strict=True):
+            for req, hidden in zip(sampled_reqs, output.hidden_states[sample_rows].unbind(), strict=True):
                 req.draft_hidden = hidden
         sampled = None
         if sampled_items:
@@ -361,7 +357,7 @@ class Scheduler:
             req = item.req
             if req.req_pool_idx is None:
                 continue  # released while the step ran: aborted, or finished by the step before
-            if not req.finished:
+            if not req.finished and not item.num_drafts:  # a verify item's tokens were checked as appended
                 req.finished_reason = finish_check(req, self.eos_ids, self.runner.context_len)
             if req.finished:
                 self.running.remove(req)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from srt.forward.host_device import DeviceToHost
+from srt.forward.host_device import DeviceToHost, host_to_device
 from srt.managers.io_struct import TokenLogprob
 from srt.managers.kv_rollback import give_back_kv_of
 from srt.managers.request_output import finish_check
@@ -53,6 +53,19 @@ def num_drafts_for(req: Req, num_steps: int, context_len: int) -> int:
         return 0
     left = min(req.params.sampling_params.max_new_tokens - len(req.output_ids), context_len - req.num_tokens)
     return max(0, min(num_steps, left - 1))
+
+
+def tokens_kept(req: Req, emitted: list[int], eos_ids: set[int], context_len: int) -> int:
+    """How many of a round's `emitted` tokens `req` keeps: all of them, or up to and including the first after
+    which `finish_check` ends it (max_new_tokens or the context reached, an EOS or stop token)."""
+    params = req.params.sampling_params
+    room = min(params.max_new_tokens - len(req.output_ids), context_len - req.num_tokens)
+    stop_ids = params.stop_token_ids or ()
+    kept = min(len(emitted), max(room, 1))  # the first token is always appended, as a decode step's is
+    for j, token in enumerate(emitted[:kept]):
+        if (token in eos_ids and not params.ignore_eos) or token in stop_ids:
+            return j + 1
+    return kept
 
 
 @dataclass
@@ -99,8 +112,7 @@ class VerifyRound:
             logits, greedy_ids = mask_verify_rows(logits, constrained), None
         # each kv_len already counts all its verify rows; a round keeps the newest token and its accepted drafts
         kept_before = [req.kv_len - n for req, n in zip(reqs, num_drafts, strict=True)]
-        host = torch.tensor([first_rows, num_drafts, kept_before], dtype=torch.int64)
-        first, counts, kv_lens = host.to(device, non_blocking=True)  # one copy
+        first, counts, kv_lens = host_to_device([first_rows, num_drafts, kept_before], device)  # one copy
         # [batch, K + 1] logits row of each verify row; a request's rows past its drafts repeat its last one
         steps = torch.arange(k + 1, device=device)
         rows = first[:, None] + torch.minimum(steps[None, :], counts[:, None])
@@ -115,8 +127,8 @@ class VerifyRound:
         if accept_len is not None:
             accepted = _simulated(drafts, accepted.tokens, counts, accept_len)
         hidden = hidden_states[first + accepted.num_accepted]  # the row that chose each round's last token
-        for i, req in enumerate(reqs):
-            req.draft_hidden = hidden[i]
+        for req, req_hidden in zip(reqs, hidden.unbind(), strict=True):
+            req.draft_hidden = req_hidden
         tensors = [accepted.num_accepted, accepted.tokens]
         top_num = max((req.params.top_logprobs_num for req in reqs), default=0) if has_logprobs else 0
         if has_logprobs:
@@ -147,17 +159,14 @@ class VerifyRound:
         top_ids, top_values = (next(copies), next(copies)) if self.top_logprobs_num else (None, None)
         given_back = []
         for i, req in enumerate(self.reqs):
-            kept = 0
-            for j in range(num_accepted[i] + 1):
-                req.output_ids.append(tokens[i][j])
-                if req.params.return_logprob:
-                    k = req.params.top_logprobs_num
+            kept = tokens_kept(req, tokens[i][: num_accepted[i] + 1], eos_ids, context_len)
+            req.output_ids += tokens[i][:kept]
+            if req.params.return_logprob:
+                k = req.params.top_logprobs_num
+                for j in range(kept):
                     top = list(zip(top_ids[i][j][:k], top_values[i][j][:k])) if k else []
                     req.output_logprobs.append(TokenLogprob(tokens[i][j], float(logprobs[i][j]), top))
-                kept += 1
-                req.finished_reason = finish_check(req, eos_ids, context_len)
-                if req.finished:
-                    break
+            req.finished_reason = finish_check(req, eos_ids, context_len)
             given_back.append(self.num_drafts[i] + 1 - kept)
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += kept - 1

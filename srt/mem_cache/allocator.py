@@ -83,18 +83,27 @@ class SWATokenAllocator:
         self.full_to_swa[full_slots] = self.swa.alloc(count)
         return full_slots
 
-    def free(self, full_slots: torch.Tensor) -> None:
-        """Free tokens entirely: their full slots and whatever SWA slots they still hold."""
-        self.free_swa(full_slots)
+    def free(self, full_slots: torch.Tensor, all_hold_swa: bool = False) -> None:
+        """Free tokens entirely: their full slots and whatever SWA slots they still hold (`free_swa` says what
+        `all_hold_swa` promises)."""
+        self.free_swa(full_slots, all_hold_swa)
         self.full.free(full_slots)
 
-    def free_swa(self, full_slots: torch.Tensor) -> None:
-        """Free the SWA slots of tokens that left every sliding window; their full slots stay."""
+    def free_swa(self, full_slots: torch.Tensor, all_hold_swa: bool = False) -> None:
+        """Free the SWA slots of tokens that left every sliding window; their full slots stay.
+
+        `all_hold_swa`: the caller knows every token still holds an SWA slot (a running request's own tokens
+        at or after its `swa_freed_upto`), so the free list grows by exactly their number. Otherwise the
+        unmapped ones are masked out, and the mask's count is a read-back the host waits for on a GPU.
+        """
         if not len(full_slots):
             return
         swa_slots = self.full_to_swa[full_slots]
-        mapped = swa_slots != 0
-        self.swa.free(swa_slots[mapped])
+        if not all_hold_swa:
+            swa_slots = swa_slots[swa_slots != 0]
+        elif debug_kv_indices() and not bool((swa_slots != 0).all()):
+            raise AssertionError("a token freed as holding an SWA slot holds none")
+        self.swa.free(swa_slots)
         self.full_to_swa[full_slots] = 0
 
     def translate(self, full_slots: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,6 @@ class OneRowPerRequestSteps:
         self.use_graphs = use_graphs
         ids = {"positions": 0, "req_pool_indices": req_to_token_pool.padding_row, "seq_lens": 1}
         self.inputs = StaticInputs(max(batch_sizes), kv_pool.device, ids | (extra_ids or {}))
-        self._seq_lens_cpu: list[int] | None = None  # the running batch's, for eager steps (torch_native)
 
     def _capture(self, batch_sizes: list[int], pool: tuple | None, name: str) -> None:
         """Call once every input is added: capturing reads them."""
@@ -58,17 +57,17 @@ class OneRowPerRequestSteps:
     def _step(self, batch_size: int) -> object:
         raise NotImplementedError
 
-    def _run(self, values: dict[str, torch.Tensor | None], num_rows: int, seq_lens_cpu: list[int]) -> object:
+    def _run(self, values: dict[str, torch.Tensor | None], num_rows: int) -> object:
         """Load a batch's rows (padded to the next captured size) and run that size's step."""
         padded = self.steps.padded_size(num_rows)
         self.inputs.load(values, num_rows, padded)
-        self._seq_lens_cpu = seq_lens_cpu + [1] * (padded - num_rows)
         return self.steps.run(padded)
 
     def _batch(self, batch_size: int, input_ids: torch.Tensor, out_cache_loc: torch.Tensor) -> ForwardBatch:
         view = self.inputs.view(batch_size)
-        # host lists describe the padded batch only in eager runs; the captured kernels never read them
-        seq_lens_cpu = self._seq_lens_cpu if not self.use_graphs else [1] * batch_size
+        # host lists describe the padded batch only in eager runs (CPU), read from the loaded inputs inside the
+        # step; the captured kernels never read them, so the host reads nothing back before a replay
+        seq_lens_cpu = view["seq_lens"].tolist() if not self.use_graphs else [1] * batch_size
         return ForwardBatch(
             mode=ForwardMode.DECODE,
             input_ids=input_ids,
@@ -116,7 +115,7 @@ class DecodeGraphs(OneRowPerRequestSteps):
     def __call__(self, batch: ForwardBatch) -> LogitsOutput:
         """Logits of every row of a decode batch; KV of its tokens is written to the pools."""
         values = {name: getattr(batch, name) for name in self.inputs.names}
-        out = self._run(values, batch.batch_size, batch.seq_lens_cpu)
+        out = self._run(values, batch.batch_size)
         rows = batch.batch_size
         greedy_ids = None if out.greedy_ids is None else out.greedy_ids[:rows]
         return LogitsOutput(out.logits[:rows], out.hidden_states[:rows], 0, greedy_ids)
@@ -169,8 +168,7 @@ class SharedLayerGraphs(OneRowPerRequestSteps):
             "req_pool_indices": req_pool_indices,
             "seq_lens": seq_lens,
         }
-        seq_lens_cpu = [batch.seq_lens_cpu[i] for i in with_rows]
-        return self._run(values, batch.num_tokens, seq_lens_cpu)[: batch.num_tokens]
+        return self._run(values, batch.num_tokens)[: batch.num_tokens]
 
     @torch.no_grad()
     def _step(self, batch_size: int) -> torch.Tensor:

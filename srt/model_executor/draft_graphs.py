@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from srt.forward.host_device import host_to_device
 from srt.layers.attention.base import AttentionBackend
 from srt.mem_cache.kv_pool import HybridKVPool
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -44,25 +45,14 @@ class DraftGraphs(OneRowPerRequestSteps):
 
     def __call__(self, requests: DraftRequests) -> torch.Tensor:
         """[batch, K] drafts, as `FrozenKVDrafter.draft` gives them."""
-        device = self.inputs.device
-        lens_and_rows = torch.tensor([requests.kv_lens, requests.req_pool_indices], dtype=torch.int64)
-        kv_lens, rows = lens_and_rows.to(device, non_blocking=True)
-        return self.on_device(requests.last_token_ids, requests.backbone_hidden, kv_lens, rows, requests.kv_lens)
+        kv_lens, rows = host_to_device([requests.kv_lens, requests.req_pool_indices], self.inputs.device)
+        return self.on_device(requests.last_token_ids, requests.backbone_hidden, kv_lens, rows)
 
     def on_device(
-        self,
-        newest: torch.Tensor,
-        hidden: torch.Tensor,
-        kv_lens: torch.Tensor,
-        rows: torch.Tensor,
-        kv_lens_cpu: list[int] | None = None,
+        self, newest: torch.Tensor, hidden: torch.Tensor, kv_lens: torch.Tensor, rows: torch.Tensor
     ) -> torch.Tensor:
-        """Drafts from device tensors (a round launched before the host read the last one's counts);
-        `kv_lens_cpu` only matters to eager steps (CPU tests), which read it from `kv_lens` when not given."""
+        """Drafts from device tensors (a round launched before the host read the last one's counts)."""
         batch_size = len(rows)
-        if kv_lens_cpu is None:
-            # captured kernels never read the host lists; an eager step (CPU) may wait for the device
-            kv_lens_cpu = kv_lens.tolist() if not self.use_graphs else [1] * batch_size
         values = {
             "positions": kv_lens,
             "req_pool_indices": rows,
@@ -70,7 +60,7 @@ class DraftGraphs(OneRowPerRequestSteps):
             "input_ids": newest,
             "hidden": hidden,
         }
-        return self._run(values, batch_size, list(kv_lens_cpu))[:batch_size]
+        return self._run(values, batch_size)[:batch_size]
 
     def _step(self, batch_size: int) -> torch.Tensor:
         view = self.inputs.view(batch_size)

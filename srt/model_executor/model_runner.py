@@ -11,6 +11,7 @@ from transformers import GenerationConfig
 from srt.configs.model_config import ModelConfig, resolve_dtype
 from srt.distributed.ranks import TensorParallelGroup
 from srt.forward.forward_batch import ForwardBatch
+from srt.forward.host_device import host_to_device
 from srt.kernels.kv_quant import is_fp8_kv
 from srt.layers.attention import create_attention_backend
 from srt.layers.logits_processor import LogitsOutput
@@ -215,7 +216,7 @@ class ModelRunner:
         graphs = self.draft_graphs
         if graphs is None or not graphs.can_run(len(rows)):
             return None
-        row_ids = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+        (row_ids,) = host_to_device([rows], self.device)
         return self._rank_0s(graphs.on_device(newest, hidden, kv_lens, row_ids))
 
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
