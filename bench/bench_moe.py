@@ -77,6 +77,11 @@ FP8_SWEEP = [
     ExpertsConfig(128, 128, 128, 128, 8, 3, w8a8=True),
     ExpertsConfig(128, 128, 256, 128, 8, 3, w8a8=True),
     ExpertsConfig(128, 128, 128, 64, 8, 4, w8a8=True),
+    # 256-wide K-steps: the FP8 MMA's sums go to float32 every 256 products instead of 128
+    ExpertsConfig(128, 64, 256, 256, 8, 2, w8a8=True),
+    ExpertsConfig(128, 64, 128, 256, 8, 3, w8a8=True),
+    ExpertsConfig(64, 64, 128, 256, 4, 3, w8a8=True),
+    ExpertsConfig(128, 128, 128, 256, 8, 2, w8a8=True),
 ]
 
 

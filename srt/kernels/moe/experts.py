@@ -54,10 +54,9 @@ class ExpertsConfig:
     w8a8: bool = False
 
 
-# W8A8 blocks by slots per expert above decode sizes (H100, bench_moe.py --fp8, 2026-11-26: 512 tokens 435 us
-# against 561 weight-only and 718 bf16; 7000 tokens 1,482 against 2,550 and 2,050)
-W8A8_UP_TO_64_PER_EXPERT = ExpertsConfig(64, 64, 128, 128, 4, 4, w8a8=True)
-W8A8_MORE_PER_EXPERT = ExpertsConfig(128, 64, 256, 128, 8, 3, w8a8=True)
+# W8A8 blocks above decode sizes (H100, bench_moe.py --fp8, 2026-11-26; sums promoted every K-step): 512 tokens
+# 438 us against 561 weight-only and 715 bf16; 7000 tokens 1,721 against 2,550 and 2,053
+W8A8_CONFIG = ExpertsConfig(64, 64, 128, 128, 4, 4, w8a8=True)
 
 
 def default_experts_config(
@@ -69,7 +68,7 @@ def default_experts_config(
         return ExpertsConfig(16, 16, 16, 16, 4, 1)
     per_expert = num_slots / num_experts
     if per_expert > 4 and w8a8:  # decode sizes stream weights: W8A8 measured within 3% of weight-only there
-        return W8A8_UP_TO_64_PER_EXPERT if per_expert <= 64 else W8A8_MORE_PER_EXPERT
+        return W8A8_CONFIG
     if per_expert <= 4 and fp8:  # twice the K per tile: as many weight bytes in flight as the bf16 tiles
         return ExpertsConfig(16, 32, 64, 256, 4, 4)
     if per_expert <= 4:  # weight streaming: many narrow programs keep enough loads in flight
