@@ -84,7 +84,8 @@ def tokenizer_info(tokenizer, vocab_size: int, stop_token_ids: Sequence[int]) ->
     info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
     vocab = tokenizer.get_vocab()
     special = {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
-    control = (special | set(tokenizer.all_special_ids)) - set(stop_token_ids) - set(info.special_token_ids)
+    special |= set(getattr(tokenizer, "all_special_ids", ()))
+    control = special - set(stop_token_ids) - set(info.special_token_ids)
     control -= {vocab[text] for text in GRAMMAR_CONTROL_TOKENS if text in vocab}
     if not control:
         return info
