@@ -98,9 +98,11 @@ def decode_gelu_mlp_fp8_variant(
 # 1 and 32 rows): within 1.18x of each shape's fastest W8A8 tiles at 4 K-splits and 1.08x for gate_up; K-chunks
 # that are no multiple of 128 (31B: 5376 / 4 = 1344) take 64-wide K-steps (31B qkv's fastest)
 WIDE_TILES = GemmTiles(128, 128, 3, 8)
+NARROW_K_TILES = GemmTiles(256, 64, 6, 4)
 W8A8_TILES = {
     8: (WIDE_TILES,),
-    4: (WIDE_TILES, GemmTiles(256, 64, 6, 4)),
+    4: (WIDE_TILES, NARROW_K_TILES),
+    3: (NARROW_K_TILES,),
     2: (WIDE_TILES,),
     GATED: (GemmTiles(64, 128, 3, 4),),
 }
@@ -111,7 +113,9 @@ FULL_WAVE_PROGRAMS = 96
 def w8a8_splits(n: int, k: int, block_k: int) -> int:
     """The K-chunks of srt's W8A8 GEMM for an [n, k] weight (the same sweep): 4; 8 where 4 would run fewer than
     FULL_WAVE_PROGRAMS programs of the wide tiles (E4B down 16.5 -> 12.8 us, E4B and 26B-A4B o); 2 where the wide
-    tiles' 128-column K-steps fit halves of K but not quarters (31B qkv 38.3 -> 36.7 us, 26B-A4B qkv 12.5 -> 11.8)."""
+    tiles' 128-column K-steps fit halves of K but not quarters (31B qkv 38.3 -> 36.7 us, 26B-A4B qkv 12.5 -> 11.8);
+    3 where no tiles fit quarters but thirds fit 64-column K-steps (26B-A4B's dense down, K 2112: 9.4 us, where
+    its FP8 prefill GEMM took 13)."""
 
     def wide_tiles_fit(splits: int) -> bool:
         return w8a8_tiles(splits, n, k, block_k) == WIDE_TILES
@@ -120,12 +124,14 @@ def w8a8_splits(n: int, k: int, block_k: int) -> int:
         return 8
     if not wide_tiles_fit(4) and wide_tiles_fit(2):
         return 2
+    if w8a8_tiles(4, n, k, block_k) is None and w8a8_tiles(3, n, k, block_k) is not None:
+        return 3
     return 4
 
 
 def w8a8_tiles(splits: int | str, n: int, k: int, block_k: int) -> GemmTiles | None:
-    """srt's W8A8 tiles for `splits` (8, 4, 2 or GATED), width n (each half for GATED) and K; None where none fit (the
-    K-chunks and the scale blocks must be multiples of BLOCK_K, n of BLOCK_N)."""
+    """srt's W8A8 tiles for `splits` (8, 4, 3, 2 or GATED), width n (each half for GATED) and K; None where none
+    fit (the K-chunks and the scale blocks must be multiples of BLOCK_K, n of BLOCK_N)."""
     chunk = k if splits == GATED else k // splits
     for tiles in W8A8_TILES.get(splits, ()):
         if chunk % tiles.block_k == 0 and block_k % tiles.block_k == 0 and n % tiles.block_n == 0:

@@ -162,14 +162,16 @@ def test_srt_takes_w8a8_tiles_that_fit_each_shape() -> None:
 
 def test_srt_splits_k_to_fill_the_gpu_with_wide_tiles() -> None:
     """8 K-chunks where 4 would run under a wave of 128-column programs, if 128-wide K-steps fit (E4B q: no);
-    2 where those fit halves of K but not quarters; else 4 (the 64-wide K-steps' tiles, or nothing, then)."""
+    2 where those fit halves of K but not quarters; 3 where only thirds fit 64-wide K-steps; else 4."""
     assert w8a8_splits(2560, 10240, 10240) == 8  # E4B down: 80 programs at 4 chunks
     assert w8a8_splits(2816, 4096, 128) == 8  # 26B-A4B o, 128 x 128 block scales
     assert w8a8_splits(2048, 2560, 2560) == 4  # E4B q: 2560 / 8 = 320 columns per chunk
     assert w8a8_splits(3072, 2560, 2560) == 4  # E4B qkv: 96 programs
     assert w8a8_splits(16384, 5376, 5376) == 2  # 31B qkv: 1344 / 128 is no whole number
     assert w8a8_splits(5376, 21504, 5376) == 4  # 31B down
-    assert w8a8_splits(2816, 2112, 2112) == 4 and w8a8_tiles(4, 2816, 2112, 2112) is None  # 26B-A4B down
+    assert w8a8_splits(2816, 2112, 2112) == 3  # 26B-A4B's dense down: chunks of 704 = 11 x 64
+    assert w8a8_tiles(3, 2816, 2112, 2112) == GemmTiles(256, 64, 6, 4)
+    assert w8a8_splits(2816, 2112, 128) == 3  # and with 128 x 128 block scales: 64-wide steps in 128-wide blocks
 
 
 # through the layers: E4B qkv (sliding), gate_up, down (8 chunks); 31B qkv (full, 2 chunks), gate_up; 26B-A4B gate_up
@@ -180,6 +182,7 @@ LAYER_SHAPES = [
     (18432, 5376, 4),
     (43008, 5376, GATED),
     (4224, 2816, GATED),
+    (2816, 2112, 4),  # 26B-A4B's dense down: 3 chunks
 ]
 
 
