@@ -264,7 +264,7 @@ def test_padded_draft_and_verify_steps_change_nothing(tiny_checkpoint) -> None:
 
     def draft_ahead_both_ways(newest, hidden, kv_lens, rows):
         drafts = draft_ahead(newest, hidden, kv_lens, rows)
-        plain = DraftRequests(newest, hidden, kv_lens.tolist(), rows)
+        plain = DraftRequests(newest, hidden, kv_lens.tolist(), rows.tolist())
         ahead.append(torch.equal(drafts, runner.drafter.draft(plain, *pools_of(runner), runner.attn_backend)))
         return drafts
 

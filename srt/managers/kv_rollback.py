@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from srt.forward.host_device import host_to_device
+from srt.managers.request_kv import TokenPositions, free_kv
 from srt.managers.schedule_batch import Req
 from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -43,22 +43,20 @@ def give_back_kv_of(
 ) -> torch.Tensor:
     """`give_back_kv` for several requests at once (a verify step's): every request is checked before anything
     changes, then one gather, one free and one write serve them all, with nothing read back from the device."""
-    rows, positions = [], []
+    given_back = take_back_kv_lens(reqs, num_tokens, window)
+    return free_kv(given_back, TokenPositions(), req_to_token_pool, allocator)
+
+
+def take_back_kv_lens(reqs: list[Req], num_tokens: list[int], window: int) -> TokenPositions:
+    """The host half of `give_back_kv_of`: checks every request, moves each `kv_len` back and returns the positions
+    whose KV is given back, for `request_kv.free_kv` to free (with the step's window frees, in one gather)."""
     for req, num in zip(reqs, num_tokens, strict=True):
         _check(req, num, window)
-        rows += [req.req_pool_idx] * num
-        positions += range(req.kv_len - num, req.kv_len)
-    table = req_to_token_pool.req_to_token
-    if not rows:
-        return torch.empty(0, dtype=torch.int64, device=table.device)
-    index = host_to_device([rows, positions], table.device)
-    slots = table[index[0], index[1]].to(torch.int64)  # a copy: the entries are zeroed below
-    # the full slots and their SWA slots, which every one holds: `_check` keeps the tokens inside the window
-    allocator.free(slots, all_hold_swa=True)
-    table[index[0], index[1]] = 0
+    given_back = TokenPositions()
     for req, num in zip(reqs, num_tokens, strict=True):
+        given_back.add(req.req_pool_idx, req.kv_len - num, req.kv_len)
         req.kv_len -= num
-    return slots
+    return given_back
 
 
 def _check(req: Req, num_tokens: int, window: int) -> None:

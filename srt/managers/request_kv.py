@@ -7,6 +7,8 @@ cache consistent (`Scheduler.check_integrity`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from srt.forward.host_device import host_to_device
@@ -25,19 +27,50 @@ def cache_prefill(req: Req, req_to_token_pool: ReqToTokenPool, cache: PrefixCach
     req.swa_freed_upto = max(req.swa_freed_upto, req.prefix.prefix_len)
 
 
-def free_windows(reqs: list[Req], req_to_token_pool: ReqToTokenPool, allocator: SWATokenAllocator, window: int) -> None:
-    """Free the sliding-window KV the requests' next queries can no longer see: one gather, one free, and
-    nothing read back (the positions are the requests' own from `swa_freed_upto` on: each holds an SWA slot)."""
-    rows, positions = [], []
+@dataclass
+class TokenPositions:
+    """Entries of `req_to_token` (request row, token position) as two host lists, for one gather."""
+
+    rows: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+
+    def add(self, row: int, start: int, stop: int) -> None:
+        """Positions start .. stop - 1 of the request at `row`."""
+        self.rows += [row] * (stop - start)
+        self.positions += range(start, stop)
+
+
+def out_of_window(reqs: list[Req], window: int) -> TokenPositions:
+    """The positions whose sliding-window KV the requests' next queries can no longer see (the requests' own from
+    `swa_freed_upto` on: each holds an SWA slot); moves each `swa_freed_upto` past them. `free_kv` frees them."""
+    freed = TokenPositions()
     for req in reqs:
         new_upto = out_of_window_upto(req.swa_freed_upto, req.kv_len, window)
-        rows += [req.req_pool_idx] * (new_upto - req.swa_freed_upto)
-        positions += range(req.swa_freed_upto, new_upto)
+        freed.add(req.req_pool_idx, req.swa_freed_upto, new_upto)
         req.swa_freed_upto = new_upto
-    if positions:
-        table = req_to_token_pool.req_to_token
-        index = host_to_device([rows, positions], table.device)
-        allocator.free_swa(table[index[0], index[1]].to(torch.int64), all_hold_swa=True)
+    return freed
+
+
+def free_kv(
+    given_back: TokenPositions,
+    swa_only: TokenPositions,
+    req_to_token_pool: ReqToTokenPool,
+    allocator: SWATokenAllocator,
+) -> torch.Tensor:
+    """Free the full and SWA slots of `given_back` (their `req_to_token` entries back to 0, the padding slot) and
+    the SWA slots of `swa_only` (their full slots stay), every one holding an SWA slot: one copy, one gather,
+    nothing read back. Returns the full slots given back."""
+    table = req_to_token_pool.req_to_token
+    rows, positions = given_back.rows + swa_only.rows, given_back.positions + swa_only.positions
+    if not rows:
+        return torch.empty(0, dtype=torch.int64, device=table.device)
+    row_index, position_index = host_to_device([rows, positions], table.device)
+    slots = table[row_index, position_index].to(torch.int64)  # a copy: the given-back entries are zeroed below
+    whole = len(given_back.rows)
+    allocator.free_whole_and_swa(slots, whole)
+    if whole:
+        table[row_index[:whole], position_index[:whole]] = 0
+    return slots[:whole]
 
 
 def release(req: Req, req_to_token_pool: ReqToTokenPool, cache: PrefixCache) -> None:

@@ -160,6 +160,11 @@ class ScheduleBatch:
 def fill_drafts(forward_batch: ForwardBatch, items: list[ScheduledReq], drafts: torch.Tensor) -> None:
     """Write the verify items' drafts (`drafts` [verify items, K] on the device, in item order) into the batch's
     input ids after each item's newest token."""
+    k = drafts.shape[1]
+    if all(item.num_drafts == k and item.num_tokens == k + 1 for item in items):
+        # every item a whole verify item (a steady round): rows [newest, d1 .. dk] each, no index to copy
+        forward_batch.input_ids.view(len(items), k + 1)[:, 1:] = drafts
+        return
     token_index, draft_index = [], []
     start, verify = 0, 0
     for item in items:

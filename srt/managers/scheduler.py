@@ -349,9 +349,9 @@ class Scheduler:
         """Read a launched batch's tokens; stop checks, releases and caching; what each request produced."""
         if launched.sampled is not None:
             append_samples(launched.sampled_reqs, launched.sampled)
+        given_back = request_kv.TokenPositions()  # the KV of rejected drafts, freed below with the windows
         if self.spec is not None:
-            pools = (self.req_to_token_pool, self.allocator)
-            self.spec.finish(launched.verify, launched.batch.items, self.eos_ids, pools, self.sliding_window)
+            given_back = self.spec.finish(launched.verify, launched.batch.items, self.eos_ids, self.sliding_window)
         outputs, out_of_window = [], []
         for item in launched.batch.items:
             req = item.req
@@ -369,7 +369,8 @@ class Scheduler:
             else:
                 out_of_window.append(req)
             outputs.append(collect_output(req))
-        request_kv.free_windows(out_of_window, self.req_to_token_pool, self.allocator, self.sliding_window)
+        windows = request_kv.out_of_window(out_of_window, self.sliding_window)
+        request_kv.free_kv(given_back, windows, self.req_to_token_pool, self.allocator)
         return outputs
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor, greedy_ids: torch.Tensor | None) -> SampledTokens:

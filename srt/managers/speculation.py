@@ -6,7 +6,7 @@ round before a step, the verify rows' acceptance after it, and the next round dr
                launch_verify(...)     acceptance on the device (`verify_round.VerifyRound`)
                draft_ahead(verify)    the next round, from device state, queued after everything reading the
                                       step's outputs (a draft graph reuses their memory)
-    finish     finish(...)            tokens appended, rejected rows' KV given back, rounds counted
+    finish     finish(...)            tokens appended, rejected rows' KV lengths taken back, rounds counted
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ import torch
 
 from srt.envs import simulated_accept_len
 from srt.layers.logits_processor import LogitsOutput
+from srt.managers.request_kv import TokenPositions
 from srt.managers.schedule_batch import Req, ScheduledReq
 from srt.managers.verify_round import VerifyRound, num_drafts_for, speculates
-from srt.mem_cache.allocator import SWATokenAllocator
-from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampler import SamplingBatch
 from srt.speculative.frozen_kv_mtp import DraftRequests
@@ -74,22 +73,20 @@ class Speculation:
     def draft_ahead(self, verify: VerifyRound) -> None:
         """Queue the next round's drafts from the verify step's device state; call it after everything that
         reads the step's outputs is queued."""
-        rows = [req.req_pool_idx for req in verify.reqs]
-        ahead = self.runner.draft_ahead(verify.next_newest, verify.next_hidden, verify.next_kv_lens, rows)
+        ahead = self.runner.draft_ahead(verify.next_newest, verify.next_hidden, verify.next_kv_lens, verify.row_ids)
         self._drafts_ahead = None if ahead is None else (verify.reqs, ahead, None)
 
     def finish(
-        self,
-        verify: VerifyRound | None,
-        items: list[ScheduledReq],
-        eos_ids: set[int],
-        pools: tuple[ReqToTokenPool, SWATokenAllocator],
-        window: int,
-    ) -> None:
-        """Read a step's verify rows (tokens appended, rejected KV given back) and count its rounds."""
+        self, verify: VerifyRound | None, items: list[ScheduledReq], eos_ids: set[int], window: int
+    ) -> TokenPositions:
+        """Read a step's verify rows (tokens appended, `kv_len` of rejected rows taken back) and count its rounds;
+        returns the KV positions given back, for the caller to free (`request_kv.free_kv`)."""
+        given_back = TokenPositions()
         if verify is not None:
-            for num in verify.apply(eos_ids, self.runner.context_len, *pools, window):
+            applied = verify.apply(eos_ids, self.runner.context_len, window)
+            for num in applied.num_accepted:
                 self.accept_counts[num] += 1
+            given_back = applied.given_back
             if self._drafts_ahead is not None and self._drafts_ahead[0] is verify.reqs:
                 reqs, drafts, _ = self._drafts_ahead
                 self._drafts_ahead = (reqs, drafts, [req.kv_len for req in reqs])
@@ -98,6 +95,7 @@ class Speculation:
             if item.decode and not item.num_drafts and speculates(item.req):
                 item.req.spec_verify_ct += 1
                 self.accept_counts[0] += 1
+        return given_back
 
     def _sampling_of(self, reqs: list[Req]) -> SamplingBatch | None:
         """The verify rows' sampling parameters (each request's repeated over its K + 1 rows); None when every

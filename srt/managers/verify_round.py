@@ -20,16 +20,16 @@ drafts nothing here reads the device until `VerifyRound.apply`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from srt.forward.host_device import DeviceToHost, host_to_device
 from srt.managers.io_struct import TokenLogprob
-from srt.managers.kv_rollback import give_back_kv_of
+from srt.managers.kv_rollback import take_back_kv_lens
+from srt.managers.request_kv import TokenPositions
 from srt.managers.request_output import finish_check
 from srt.managers.schedule_batch import Req
-from srt.mem_cache.allocator import SWATokenAllocator
-from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from srt.sampling.grammar import mask_verify_rows
 from srt.sampling.sampler import SamplingBatch, filtered_probs, logprobs_of, top_logprobs
 from srt.speculative.accept import Accepted, accept_greedy, accept_sampled
@@ -68,6 +68,13 @@ def tokens_kept(req: Req, emitted: list[int], eos_ids: set[int], context_len: in
     return kept
 
 
+class Applied(NamedTuple):
+    """What `VerifyRound.apply` read: each request's accepted drafts, and the KV positions it gave back."""
+
+    num_accepted: list[int]
+    given_back: TokenPositions
+
+
 @dataclass
 class VerifyRound:
     """The verify rows of one step: launched on the device by `launch`, read and applied by `apply`."""
@@ -83,6 +90,7 @@ class VerifyRound:
     next_newest: torch.Tensor
     next_hidden: torch.Tensor
     next_kv_lens: torch.Tensor
+    row_ids: torch.Tensor  # each request's req_to_token row, on the device (the next round's drafts read it)
 
     @classmethod
     def launch(
@@ -112,7 +120,8 @@ class VerifyRound:
             logits, greedy_ids = mask_verify_rows(logits, constrained), None
         # each kv_len already counts all its verify rows; a round keeps the newest token and its accepted drafts
         kept_before = [req.kv_len - n for req, n in zip(reqs, num_drafts, strict=True)]
-        first, counts, kv_lens = host_to_device([first_rows, num_drafts, kept_before], device)  # one copy
+        rows_of_reqs = [req.req_pool_idx for req in reqs]
+        first, counts, kv_lens, row_ids = host_to_device([first_rows, num_drafts, kept_before, rows_of_reqs], device)
         # [batch, K + 1] logits row of each verify row; a request's rows past its drafts repeat its last one
         steps = torch.arange(k + 1, device=device)
         rows = first[:, None] + torch.minimum(steps[None, :], counts[:, None])
@@ -140,19 +149,14 @@ class VerifyRound:
         next_newest = accepted.tokens.gather(1, accepted.num_accepted[:, None])[:, 0]
         next_kv_lens = kv_lens + accepted.num_accepted
         copies = DeviceToHost(tensors)
-        return cls(reqs, num_drafts, accepted, copies, has_logprobs, top_num, next_newest, hidden, next_kv_lens)
+        return cls(
+            reqs, num_drafts, accepted, copies, has_logprobs, top_num, next_newest, hidden, next_kv_lens, row_ids
+        )
 
-    def apply(
-        self,
-        eos_ids: set[int],
-        context_len: int,
-        req_to_token_pool: ReqToTokenPool,
-        allocator: SWATokenAllocator,
-        window: int,
-    ) -> list[int]:
-        """Append each request's emitted tokens up to a stop and give back the KV of rows not kept (each
-        request's `kv_len` counted all its verify rows when the step was launched). Returns the accepted
-        drafts of each request (for its counters and /metrics)."""
+    def apply(self, eos_ids: set[int], context_len: int, window: int) -> Applied:
+        """Append each request's emitted tokens up to a stop and take back the `kv_len` of rows not kept (each
+        request's `kv_len` counted all its verify rows when the step was launched); their KV is for the caller
+        to free (`request_kv.free_kv`, with the step's window frees)."""
         copies = iter([t.tolist() for t in self.copies.get()])
         num_accepted, tokens = next(copies), next(copies)
         logprobs = next(copies) if self.has_logprobs else None
@@ -170,8 +174,7 @@ class VerifyRound:
             given_back.append(self.num_drafts[i] + 1 - kept)
             req.spec_verify_ct += 1
             req.spec_accepted_tokens += kept - 1
-        give_back_kv_of(self.reqs, given_back, req_to_token_pool, allocator, window)
-        return num_accepted
+        return Applied(num_accepted, take_back_kv_lens(self.reqs, given_back, window))
 
 
 def _accept_sampled_rows(

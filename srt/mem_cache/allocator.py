@@ -89,6 +89,14 @@ class SWATokenAllocator:
         self.free_swa(full_slots, all_hold_swa)
         self.full.free(full_slots)
 
+    def free_whole_and_swa(self, full_slots: torch.Tensor, num_whole: int) -> None:
+        """Free the first `num_whole` tokens entirely and only the SWA slots of the rest (tokens that left every
+        sliding window), every one holding an SWA slot: the same free lists as `free` of the first tokens, then
+        `free_swa` of the rest, in one gather and one append per pool."""
+        self.free_swa(full_slots, all_hold_swa=True)
+        if num_whole:
+            self.full.free(full_slots[:num_whole])
+
     def free_swa(self, full_slots: torch.Tensor, all_hold_swa: bool = False) -> None:
         """Free the SWA slots of tokens that left every sliding window; their full slots stay.
 

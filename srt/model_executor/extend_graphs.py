@@ -31,7 +31,7 @@ from srt.layers.attention.base import AttentionBackend
 from srt.layers.logits_processor import LogitsOutput
 from srt.mem_cache.kv_pool import HybridKVPool
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
-from srt.model_executor.captured_steps import CapturedSteps, StaticInputs
+from srt.model_executor.captured_steps import CapturedSteps, StaticInputs, load_host_lists
 
 
 def default_token_counts(max_tokens: int) -> list[int]:
@@ -95,8 +95,7 @@ class ExtendGraphs:
             tokens,
         )
         host = padded_host_lists(batch, tokens, rows, self.req_to_token_pool.padding_row)
-        self.requests.load_host({name: host[name] for name in self.requests.id_names}, rows + 1)
-        self.logits.load_host({name: host[name] for name in self.logits.id_names}, rows)
+        load_host_lists([(self.requests, host, rows + 1), (self.logits, host, rows)])
         self._host = host
         out = self.steps.run(tokens)
         n = len(batch.logits_rows_cpu)

@@ -11,7 +11,6 @@ from transformers import GenerationConfig
 from srt.configs.model_config import ModelConfig, resolve_dtype
 from srt.distributed.ranks import TensorParallelGroup
 from srt.forward.forward_batch import ForwardBatch
-from srt.forward.host_device import host_to_device
 from srt.kernels.kv_quant import is_fp8_kv
 from srt.layers.attention import create_attention_backend
 from srt.layers.logits_processor import LogitsOutput
@@ -209,14 +208,14 @@ class ModelRunner:
         return drafts
 
     def draft_ahead(
-        self, newest: torch.Tensor, hidden: torch.Tensor, kv_lens: torch.Tensor, rows: list[int]
+        self, newest: torch.Tensor, hidden: torch.Tensor, kv_lens: torch.Tensor, row_ids: torch.Tensor
     ) -> torch.Tensor | None:
         """Drafts of the next round from device state (the overlap of a draft round with the host's bookkeeping
-        of the verify step before it); None without draft graphs (not captured) or past their largest batch."""
+        of the verify step before it; `row_ids`: the requests' req_to_token rows); None without draft graphs (not
+        captured) or past their largest batch."""
         graphs = self.draft_graphs
-        if graphs is None or not graphs.can_run(len(rows)):
+        if graphs is None or not graphs.can_run(len(row_ids)):
             return None
-        (row_ids,) = host_to_device([rows], self.device)
         return self._rank_0s(graphs.on_device(newest, hidden, kv_lens, row_ids))
 
     def forward(self, batch: ForwardBatch) -> LogitsOutput:
