@@ -83,10 +83,9 @@ class SWATokenAllocator:
         self.full_to_swa[full_slots] = self.swa.alloc(count)
         return full_slots
 
-    def free(self, full_slots: torch.Tensor, all_hold_swa: bool = False) -> None:
-        """Free tokens entirely: their full slots and whatever SWA slots they still hold (`free_swa` says what
-        `all_hold_swa` promises)."""
-        self.free_swa(full_slots, all_hold_swa)
+    def free(self, full_slots: torch.Tensor) -> None:
+        """Free tokens entirely: their full slots and whatever SWA slots they still hold."""
+        self.free_swa(full_slots)
         self.full.free(full_slots)
 
     def free_whole_and_swa(self, full_slots: torch.Tensor, num_whole: int) -> None:

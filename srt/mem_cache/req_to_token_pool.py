@@ -47,8 +47,8 @@ class ReqToTokenPool:
     def write_one_each(
         self, rows: list[int] | torch.Tensor, positions: list[int] | torch.Tensor, slots: torch.Tensor
     ) -> None:
-        """Record slot i as the slot of token positions[i] of row rows[i]'s request (a decode step), in one op.
-        `rows` and `positions` may already be on the device (a ForwardBatch's)."""
+        """Record slot i as the slot of token positions[i] of row rows[i]'s request, in one op (a step's new
+        tokens). `rows` and `positions` may already be on the device (a ForwardBatch's)."""
         if not isinstance(rows, torch.Tensor) or not isinstance(positions, torch.Tensor):
             rows, positions = host_to_device([list(rows), list(positions)], self.device)
         self.req_to_token[rows, positions] = slots.to(torch.int32)

@@ -124,9 +124,6 @@ def _next_batch(
         req_to_token_pool=runner.req_to_token_pool,
         kv_pool=runner.kv_pool,
     )
-    if decode:  # the batch's rows and positions are on the device already
-        runner.req_to_token_pool.write_one_each(batch.req_pool_indices, batch.positions, slots)
-    else:
-        for row, seq_len, row_slots in zip(rows, seq_lens, slots.split(counts), strict=True):
-            runner.req_to_token_pool.write(row, seq_len, row_slots)
+    # each new token's slot at its request's row and its position, in one op (as the scheduler writes them)
+    runner.req_to_token_pool.write_one_each(batch.token_req_pool_indices(), batch.positions, slots)
     return batch
