@@ -14,7 +14,7 @@ position], in blocks of BLOCK_N, with an online softmax; per element it masks wh
 Image rows of checkpoints whose image tokens attend both ways (26B-A4B, 31B: sliding layers only) see up to
 the last position of their image instead of their own (`last_visible`, per row), the window still counted
 from their own position: transformers' AND(window, OR(causal, same image)).
-head_dim 256 and 512 split the output columns over value_splits programs per tile (each recomputes the
+head_dim 512 splits the output columns over value_splits programs per tile (each recomputes the
 M x N scores over the full head_dim), so that the fp32 accumulator M x head_dim / value_splits fits.
 
 FP8 K/V (`--kv-cache-dtype fp8_e4m3`): blocks load as float8_e4m3fn and are widened to the query's dtype in
@@ -61,16 +61,18 @@ def default_extend_config(head_dim: int, group: int, on_gpu: bool, element_size:
     if element_size > 2:  # fp32 K/V at head_dim 256/512 (not a serving path): blocks that fit shared memory
         return ExtendConfig(block_q=max(32 // per_prog, 1), heads_per_prog=per_prog, block_n=32, num_warps=8,
                             num_stages=1, value_splits=2)  # fmt: skip
-    # head_dim 256 and 512 on H100: M = 128 rows x heads (wgmma), each program computing half of the output
-    # columns (the QK product is done twice, but the M x head_dim / 2 fp32 accumulator fits the registers next
-    # to the pipelined K/V blocks: a full 128 x 512 one would not, and M = 32 leaves the tensor cores idle)
+    # head_dim 256 and 512 on H100: M = 128 rows x heads (wgmma). At 512 each program computes half of the
+    # output columns (the QK product is done twice, but the M x 256 fp32 accumulator fits the registers next to
+    # the pipelined K/V blocks: a full 128 x 512 one would not, and M = 32 leaves the tensor cores idle); a
+    # 128 x 256 one fits whole (bench/tune/tune_extend_attention.py, H100, 8192-token prefills: sliding layers
+    # 1.40-1.43x faster than with two value splits; no 512 tiles beat these by more than 2%)
     return ExtendConfig(
         block_q=max(128 // per_prog, 1),
         heads_per_prog=per_prog,
         block_n=64 if head_dim <= 256 else 32,
         num_warps=8,
         num_stages=2,
-        value_splits=2,
+        value_splits=1 if head_dim <= 256 else 2,
     )
 
 
