@@ -178,16 +178,18 @@ stage_ab() {  # decode with and without environment switches: AB="A=1 B=2;C=3" i
 }
 
 stage_abbase() {  # this tree vs the tree in $AB_BASE (its own srt/ and bench/), alternated AB_ROUNDS times
-    # E4B (AB_MODEL) decode at batch 1 and 32 (512-token context) and the 1 x 7000 prefill. Make AB_BASE where
-    # the commits are (the GPU machine's copy may lack them) and carry it:
+    # E4B (AB_MODEL) decode at batch 1 and 32 (512-token context) and the 1 x 7000 prefill, or the
+    # bench_one_batch shapes in AB_SHAPES ("SHAPE;SHAPE"). Make AB_BASE where the commits are (the GPU machine's
+    # copy may lack them) and carry it:
     #     mkdir base && git archive COMMIT srt bench | tar -x -C base
     [ -d "${AB_BASE:-base}/srt" ] || { echo "abbase: no ${AB_BASE:-base}/srt"; return 1; }
+    IFS=';' read -ra shapes <<<"${AB_SHAPES:-"--batch-size 1 32 --input-len 512 --output-len 32;--batch-size 1 --input-len 7000 --output-len 2"}"
     for round in $(seq ${AB_ROUNDS:-1}); do
         for tree in . "${AB_BASE:-base}"; do
             label=$tree && [ "$tree" = . ] && label="this tree"
             name=$(basename "$(realpath "$tree")")
             echo "--- $label (round $round)"
-            for shape in "--batch-size 1 32 --input-len 512 --output-len 32" "--batch-size 1 --input-len 7000 --output-len 2"; do
+            for shape in "${shapes[@]}"; do
                 PYTHONPATH=$tree:$PYTHONPATH timeout 240 python3 "$tree/bench/bench_one_batch.py" --load-format dummy \
                     --dtype bfloat16 --model-path gemma-4-${AB_MODEL:-E4B}-it $shape \
                     --json "$RESULTS/abbase-$name-$round-$(echo $shape | tr -d ' -' | cut -c1-24).json" 2>&1 \

@@ -51,13 +51,15 @@ def main() -> None:
     if decode_steps and graphs is not None and graphs.use_graphs:  # before the profiler: it slows the host
         print_step_timeline(runner, prompts, decode_steps)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
-    # the profiler records only the steps of the chosen phase: prefill is step 0
-    skip = 1 if decode_steps else 0
-    with profile(activities=activities, schedule=schedule(wait=skip, warmup=0, active=max(decode_steps, 1))) as prof:
+    # decode: the profiler skips the prefill (step 0) and records the decode steps; prefill: the one step, no
+    # schedule (a schedule's cycle would end, and be cleared, at the step marker after it)
+    steps = schedule(wait=1, warmup=0, active=decode_steps) if decode_steps else None
+    with profile(activities=activities, schedule=steps) as prof:
         seconds = generate_greedy(
             runner, prompts, 1 + decode_steps, keep_logits=False, before_step=lambda step: step and prof.step()
         ).step_seconds
-        prof.step()
+        if decode_steps:
+            prof.step()
     timed = seconds[1:] if decode_steps else seconds
     print(f"{args.phase}: {sum(timed) / len(timed) * 1e3:.2f} ms per forward")
     sort = "cuda_time_total" if runner.device.type == "cuda" else "cpu_time_total"
