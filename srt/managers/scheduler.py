@@ -48,6 +48,7 @@ from srt.managers.request_output import (
 from srt.managers.schedule_batch import Req, ScheduleBatch, ScheduledReq, fill_drafts
 from srt.managers.schedule_policy import PrefillBudget, order_waiting
 from srt.managers.speculation import Speculation
+from srt.managers.step_trace import StepTrace
 from srt.managers.tokenizer_loader import load_grammar_vocab
 from srt.managers.verify_round import VerifyRound
 from srt.mem_cache.base_prefix_cache import PrefixCache
@@ -94,6 +95,7 @@ class Scheduler:
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.num_retractions = 0
+        self.trace = StepTrace()  # SRT_STEP_TRACE: the timeline of steps, for bench/step_trace.py
         # requests without a seed of their own draw from this one, seeded by --seed
         self.default_generator = make_generator(server_args.seed, self.runner.device)
         # speculative decoding (None without an assistant)
@@ -113,6 +115,7 @@ class Scheduler:
             raise ValueError(f"a request with rid {request.rid!r} is already running")
         req = Req.from_request(request, self.runner.device)
         req.arrived = time.monotonic()
+        self.trace.arrived(req.rid)
         if request.grammar is not None:
             req.grammar = self.grammars.matcher(request.grammar)
         self.waiting.append(req)
@@ -299,6 +302,7 @@ class Scheduler:
     # ---- run and update ----------------------------------------------------------------------------------
     def _launch(self, batch: ScheduleBatch, input_ids: torch.Tensor | None = None) -> _Launched:
         """Queue the forward and the sampling of `batch`; `input_ids` (device): a continued decode's tokens."""
+        self.trace.launched(batch, len(self.waiting), len(self.running))
         verify_items = [item for item in batch.items if item.num_drafts]
         drafts = self.spec.draft([item.req for item in verify_items]) if verify_items else None
         slots = self.allocator.alloc(sum(item.num_tokens for item in batch.items))
@@ -352,6 +356,7 @@ class Scheduler:
         given_back = request_kv.TokenPositions()  # the KV of rejected drafts, freed below with the windows
         if self.spec is not None:
             given_back = self.spec.finish(launched.verify, launched.batch.items, self.eos_ids, self.sliding_window)
+        self.trace.finished(launched.batch)
         outputs, out_of_window = [], []
         for item in launched.batch.items:
             req = item.req

@@ -1,0 +1,54 @@
+"""The scheduler's step trace (SRT_STEP_TRACE) records every request's arrival, first chunk and first token, and
+bench/step_trace.py reads a request's time to first token back from it."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from srt.managers.inprocess import run_to_completion
+from srt.managers.io_struct import TokenizedGenerateReq
+from srt.managers.scheduler import Scheduler
+from srt.managers.step_trace import TRACE_ENV
+from srt.model_executor.model_runner import ModelRunner
+from srt.sampling.sampling_params import SamplingParams
+from srt.server_args import ServerArgs
+
+READER = Path(__file__).resolve().parents[1] / "bench" / "step_trace.py"
+
+
+def load_reader():
+    spec = importlib.util.spec_from_file_location("step_trace_reader", READER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_trace_records_each_request_from_arrival_to_first_token(tiny_checkpoint, tmp_path, monkeypatch) -> None:
+    prefix = tmp_path / "trace"
+    monkeypatch.setenv(TRACE_ENV, str(prefix))
+    args = ServerArgs(model_path=str(tiny_checkpoint("tiny-gemma-4-E4B-it")), device="cpu", dtype="float32",
+                      chunked_prefill_size=32)  # fmt: skip
+    scheduler = Scheduler(args, ModelRunner(args))
+    params = SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True)
+    # the 70-token prompt takes three chunks of 32, its first token comes with the last one
+    prompts = {"a": list(range(3, 73)), "b": list(range(5, 15))}
+    requests = [TokenizedGenerateReq(rid=rid, input_ids=ids, sampling_params=params) for rid, ids in prompts.items()]
+    run_to_completion(scheduler, requests)
+
+    reader = load_reader()
+    events = reader.load_events(str(prefix))
+    assert Path(f"{prefix}.{os.getpid()}").exists()
+    assert [e["rid"] for e in events if e["event"] == "arrive"] == ["a", "b"]
+    admitted = [rid for e in events if e["event"] == "launch" for rid in e["admitted"]]
+    assert sorted(admitted) == ["a", "b"]  # once each: the first chunk only
+    firsts = [rid for e in events if e["event"] == "finish" for rid in e["first_token"]]
+    assert sorted(firsts) == ["a", "b"]
+    prompt_steps = [e for e in events if e["event"] == "launch" and e["prompt_tokens"]]
+    assert sum(e["prompt_tokens"] for e in prompt_steps) == 70 + 10
+    summary = reader.summarize(events)
+    assert len(summary["queued"]) == len(summary["computed"]) == 2
+    assert all(seconds >= 0 for seconds in summary["queued"] + summary["computed"])
+    assert len(summary["prompt step"]) == len(prompt_steps)
+    scheduler.check_integrity()
