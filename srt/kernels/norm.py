@@ -81,13 +81,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, use_trito
 
 
 @jit
-def load_summed(ptrs, split_stride, SPLITS: tl.constexpr, dtype: tl.constexpr):
-    """float32 values at `ptrs`; with SPLITS > 1, float32 K-split partial sums (`layers/linear.py`)
-    `split_stride` elements apart, summed in split order and rounded to `dtype` as the GEMM rounds."""
-    x = tl.load(ptrs).to(tl.float32)
+def load_summed(ptrs, mask, split_stride, SPLITS: tl.constexpr, dtype: tl.constexpr):
+    """float32 values at `ptrs` (any shape), zeros where `mask` (broadcast to their shape) is False; with
+    SPLITS > 1, float32 K-split partial sums (`layers/linear.py`) `split_stride` elements apart, summed in split
+    order and rounded to `dtype` as the GEMM rounds."""
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     if SPLITS > 1:
         for split in tl.static_range(1, SPLITS):
-            x += tl.load(ptrs + split * split_stride)
+            x += tl.load(ptrs + split * split_stride, mask=mask, other=0.0)
         x = round_to(x, dtype)
     return x
 

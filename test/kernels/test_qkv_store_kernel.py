@@ -44,10 +44,17 @@ def _target(rows: int, layout: QKVLayout, dtype: torch.dtype, sliding: bool) -> 
 
 
 def _run_both(
-    layout: QKVLayout, tokens: int, dtype: torch.dtype, sliding: bool, use_triton: bool | None, splits: int = 0
+    layout: QKVLayout,
+    tokens: int,
+    dtype: torch.dtype,
+    sliding: bool,
+    use_triton: bool | None,
+    splits: int = 0,
+    block_tokens: int | None = None,
 ):
     """(kernel's q, target), (reference's q, target); with `splits`, the kernel reads the projection as that
-    many float32 partial sums and the reference their rounded sum."""
+    many float32 partial sums and the reference their rounded sum. `block_tokens`: the kernel's tokens per
+    program (None: its choice by token count, one at these sizes)."""
     generator = torch.Generator().manual_seed(tokens + layout.head_dim)
     if splits:
         qkv = torch.randn(splits, tokens, sum(layout.sizes), generator=generator).to(DEVICE)
@@ -56,10 +63,14 @@ def _run_both(
         qkv = want_qkv = (3 * torch.randn(tokens, sum(layout.sizes), generator=generator)).to(DEVICE, dtype)
     norms = _norms(layout.head_dim, generator)
     cos, sin = _cos_sin(tokens, layout.head_dim, dtype)
-    slots = torch.randperm(17, generator=generator)[:tokens].to(DEVICE) + 1
-    got_target, want_target = _target(19, layout, dtype, sliding), _target(19, layout, dtype, sliding)
+    # rows 1.., never 0: a masked tail token whose slot loads as 0 must not write row 0
+    slots = torch.randperm(tokens + 12, generator=generator)[:tokens].to(DEVICE) + 1
+    rows = tokens + 14
+    got_target, want_target = _target(rows, layout, dtype, sliding), _target(rows, layout, dtype, sliding)
     with torch.no_grad():  # as the model runs
-        got = qkv_norm_rope_store(qkv, layout, *norms, cos, sin, *got_target, slots, use_triton=use_triton)
+        got = qkv_norm_rope_store(
+            qkv, layout, *norms, cos, sin, *got_target, slots, use_triton=use_triton, block_tokens=block_tokens
+        )
         want = qkv_norm_rope_store_reference(want_qkv, layout, *norms, cos, sin, *want_target, slots)
     return (got, got_target), (want, want_target)
 
@@ -78,23 +89,31 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliding", [False, True])
 @pytest.mark.parametrize("k_eq_v", [False, True])
-def test_kernel_matches_the_op_by_op_path(dtype: torch.dtype, sliding: bool, k_eq_v: bool) -> None:
+@pytest.mark.parametrize(
+    "tokens,block_tokens",
+    [(5, None), (5, 4), (8, 4), (3, 8)],
+    ids=["one-per-program", "tiles-with-a-tail", "whole-tiles", "one-partial-tile"],
+)
+def test_kernel_matches_the_op_by_op_path(
+    dtype: torch.dtype, sliding: bool, k_eq_v: bool, tokens: int, block_tokens: int | None
+) -> None:
     layout = QKVLayout(num_heads=4, num_kv_heads=2, head_dim=16, k_eq_v=k_eq_v)
-    (q, target), (want_q, want_target) = _run_both(layout, 5, dtype, sliding, use_triton=True)
+    (q, target), (want_q, want_target) = _run_both(layout, tokens, dtype, sliding, True, block_tokens=block_tokens)
     _assert_close(q, want_q)
     # every buffer row, written or not: untouched rows keep their fill
     _assert_close(target.k_buffer, want_target.k_buffer)
     _assert_close(target.v_buffer, want_target.v_buffer)
-    assert (target.k_buffer != 7.0).any(dim=(1, 2)).sum() == 5
+    assert (target.k_buffer != 7.0).any(dim=(1, 2)).sum() == tokens
+    assert (target.v_buffer != -7.0).any(dim=(1, 2)).sum() == tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("use_triton", [True, False])
-def test_partial_sums_of_the_projection(dtype: torch.dtype, use_triton: bool) -> None:
+@pytest.mark.parametrize("use_triton,block_tokens", [(True, None), (True, 4), (False, None)])
+def test_partial_sums_of_the_projection(dtype: torch.dtype, use_triton: bool, block_tokens: int | None) -> None:
     """The chained decode GEMM hands over float32 K-chunk partial sums: summed in split order and rounded to the
-    activation dtype, they give what the rounded projection gives (kernel and CPU path)."""
+    activation dtype, they give what the rounded projection gives (kernel, per token or in tiles, and CPU path)."""
     layout = QKVLayout(num_heads=4, num_kv_heads=2, head_dim=16, k_eq_v=False)
-    (q, target), (want_q, want_target) = _run_both(layout, 5, dtype, True, use_triton, splits=3)
+    (q, target), (want_q, want_target) = _run_both(layout, 5, dtype, True, use_triton, 3, block_tokens)
     assert q.dtype == dtype
     _assert_close(q, want_q)
     _assert_close(target.k_buffer, want_target.k_buffer)
@@ -144,6 +163,8 @@ def test_buffers_the_kernel_cannot_write_safely_are_refused() -> None:
     target = _target(4, layout, torch.float32, sliding=False)
     with pytest.raises(ValueError, match="one contiguous slot per token"):
         qkv_norm_rope_store(qkv, layout, *norms, *args, *target, slots[:1], use_triton=True)
+    with pytest.raises(ValueError, match="power of two"):
+        qkv_norm_rope_store(qkv, layout, *norms, *args, *target, slots, use_triton=True, block_tokens=3)
     assert bool((target.k_buffer == 7.0).all())  # nothing was written
 
 
@@ -164,7 +185,7 @@ def test_cpu_default_is_the_reference() -> None:
         QKVLayout(num_heads=32, num_kv_heads=4, head_dim=512, k_eq_v=True),  # 31B full
     ],
 )
-@pytest.mark.parametrize("tokens", [1, 17])
+@pytest.mark.parametrize("tokens", [1, 17, 2100])  # 2100: prefill tiles of 8 tokens, a tail of 4
 def test_kernel_on_gpu_at_real_sizes(layout: QKVLayout, tokens: int) -> None:
     for sliding in (False, True):
         (q, target), (want_q, want_target) = _run_both(layout, tokens, torch.bfloat16, sliding, use_triton=True)
@@ -185,16 +206,18 @@ def _fp8_target(rows: int, layout: QKVLayout, sliding: bool) -> Target:
 
 
 @pytest.mark.parametrize(
-    "dtype,sliding,k_eq_v,head_dim",
+    "dtype,sliding,k_eq_v,head_dim,block_tokens",
     [
-        (torch.float32, False, False, 16),
-        (torch.bfloat16, True, True, 16),
-        pytest.param(torch.bfloat16, True, False, 256, marks=pytest.mark.gpu),  # E4B sliding
-        pytest.param(torch.bfloat16, False, True, 512, marks=pytest.mark.gpu),  # 31B full
+        (torch.float32, False, False, 16, None),
+        (torch.bfloat16, True, True, 16, None),
+        (torch.bfloat16, True, False, 16, 4),  # tiles of 4 tokens, a tail of 1
+        pytest.param(torch.bfloat16, True, False, 256, None, marks=pytest.mark.gpu),  # E4B sliding
+        pytest.param(torch.bfloat16, False, True, 512, None, marks=pytest.mark.gpu),  # 31B full
+        pytest.param(torch.bfloat16, True, False, 256, 16, marks=pytest.mark.gpu),  # E4B sliding prefill tiles
     ],
 )
 def test_fp8_store_matches_the_reference_quantization(
-    dtype: torch.dtype, sliding: bool, k_eq_v: bool, head_dim: int
+    dtype: torch.dtype, sliding: bool, k_eq_v: bool, head_dim: int, block_tokens: int | None
 ) -> None:
     """The kernel stores clamp(value / scale, +-448) as float8_e4m3fn: the reference's FP8 bytes, up to one FP8
     step where the two unquantized values differ in their last bit (RoPE's single rounding, kernels/rope.py).
@@ -208,7 +231,9 @@ def test_fp8_store_matches_the_reference_quantization(
     scales = {"k_scale": 1 / 256, "v_scale": 0.5}
     got, want = _fp8_target(13, layout, sliding), _fp8_target(13, layout, sliding)
     with torch.no_grad():
-        q = qkv_norm_rope_store(qkv, layout, *norms, cos, sin, *got, slots, use_triton=True, **scales)
+        q = qkv_norm_rope_store(
+            qkv, layout, *norms, cos, sin, *got, slots, use_triton=True, block_tokens=block_tokens, **scales
+        )
         want_q = qkv_norm_rope_store_reference(qkv, layout, *norms, cos, sin, *want, slots, **scales)
     _assert_close(q, want_q)
     for name, scale in (("k_buffer", scales["k_scale"]), ("v_buffer", scales["v_scale"])):

@@ -14,7 +14,7 @@ from transformers import Gemma4TextConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4RMSNorm, apply_rotary_pos_emb
 
 from srt.kernels.norm import rms_norm_reference, sum_partials
-from srt.kernels.rope import apply_rotary, rms_norm_rope, rms_norm_rope_reference
+from srt.kernels.rope import HeadTiling, apply_rotary, head_tiling, rms_norm_rope, rms_norm_rope_reference
 from srt.layers.rotary import RotaryEmbedding
 
 # ---------------------------------------------------------------------------------------------------------
@@ -83,15 +83,16 @@ def test_rms_norm_rope_reference_is_transformers_norm_then_rope(dtype: torch.dty
 @pytest.mark.parametrize("with_weight", [True, False])
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_tokens", [None, 4], ids=["per-token", "tiles-of-4"])  # 1, 3, 7 tokens: tails
 def test_rms_norm_rope_kernel(
-    shape: tuple[int, int, int], with_weight: bool, strided: bool, dtype: torch.dtype
+    shape: tuple[int, int, int], with_weight: bool, strided: bool, dtype: torch.dtype, block_tokens: int | None
 ) -> None:
     generator = torch.Generator().manual_seed(sum(shape))
     tokens, heads, dim = shape
     x = projection_heads(tokens, heads, dim, dtype, strided, generator)
     weight = random_weight(dim, generator).to(DEVICE, dtype) if with_weight else None
     cos, sin = cos_sin(tokens, dim, dtype)
-    got = rms_norm_rope(x, weight, cos, sin, EPS, use_triton=True)
+    got = rms_norm_rope(x, weight, cos, sin, EPS, use_triton=True, block_tokens=block_tokens)
     assert got.shape == x.shape and got.dtype == dtype and got.is_contiguous()
     expected = rms_norm_rope_reference(x, weight, cos, sin, EPS)
     if dtype == torch.float32:
@@ -110,20 +111,57 @@ def test_rms_norm_rope_kernel(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_rope_of_split_k_partials(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("block_tokens", [None, 4], ids=["per-token", "tiles-of-4"])
+def test_rms_norm_rope_of_split_k_partials(dtype: torch.dtype, block_tokens: int | None) -> None:
     """x as float32 K-split partial sums [splits, tokens, heads, dim] (the chained decode GEMM's output): summed
     in split order and rounded to cos's dtype, then normed and roped as the rounded projection would be."""
     generator = torch.Generator().manual_seed(5)
-    partials = torch.randn(3, 4, 2, 32, generator=generator).to(DEVICE)
+    partials = torch.randn(3, 6, 2, 32, generator=generator).to(DEVICE)
     weight = random_weight(32, generator).to(DEVICE, dtype)
-    cos, sin = cos_sin(4, 32, dtype)
+    cos, sin = cos_sin(6, 32, dtype)
     x = sum_partials(partials, dtype)
-    got = rms_norm_rope(partials, weight, cos, sin, EPS, use_triton=True)
-    assert got.dtype == dtype and torch.equal(got, rms_norm_rope(x, weight, cos, sin, EPS, use_triton=True))
+    got = rms_norm_rope(partials, weight, cos, sin, EPS, use_triton=True, block_tokens=block_tokens)
+    want = rms_norm_rope(x, weight, cos, sin, EPS, use_triton=True, block_tokens=block_tokens)
+    assert got.dtype == dtype and torch.equal(got, want)
     reference = rms_norm_rope(partials.cpu(), weight.cpu(), cos.cpu(), sin.cpu(), EPS)  # the CPU default
     assert torch.equal(reference, rms_norm_rope_reference(x.cpu(), weight.cpu(), cos.cpu(), sin.cpu(), EPS))
     with pytest.raises(ValueError, match="float32"):
         rms_norm_rope(partials.bfloat16(), weight, cos, sin, EPS)
+
+
+def test_head_tiling_blocks_tokens_at_prefill_only() -> None:
+    """One token per program (1-4 warps, as decode always ran) until a call has 512 tokens; then tiles that
+    keep >= 256 token blocks per head, up to 4096 values: E4B's 8192-token prefill gets 16 tokens of a
+    256-wide head (8 warps), 8 of a 512-wide one."""
+    assert head_tiling(1, 256) == HeadTiling(1, 2) and head_tiling(32, 512) == HeadTiling(1, 4)
+    assert head_tiling(511, 256) == HeadTiling(1, 2)
+    assert head_tiling(512, 256) == HeadTiling(2, 4)
+    assert head_tiling(2100, 256) == HeadTiling(8, 8)
+    assert head_tiling(8192, 256) == HeadTiling(16, 8) and head_tiling(8192, 512) == HeadTiling(8, 8)
+    assert head_tiling(5, 16, block_tokens=4) == HeadTiling(4, 1)
+    with pytest.raises(ValueError, match="power of two"):
+        head_tiling(5, 16, block_tokens=6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [256, 512])
+def test_rms_norm_rope_tiles_on_gpu_at_prefill_sizes(dim: int) -> None:
+    """E4B's q of KV-shared layers at a prefill size: tiles (a tail of 4 tokens) give what per-token programs
+    give, both within the single rounding of the float32 oracle."""
+    generator = torch.Generator().manual_seed(dim)
+    x = projection_heads(2100, 8, dim, torch.bfloat16, strided=True, generator=generator)
+    weight = random_weight(dim, generator).to(DEVICE, torch.bfloat16)
+    cos, sin = cos_sin(2100, dim, torch.bfloat16)
+    tiled = rms_norm_rope(x, weight, cos, sin, EPS, use_triton=True)
+    per_token = rms_norm_rope(x, weight, cos, sin, EPS, use_triton=True, block_tokens=1)
+    expected = rms_norm_rope_reference(x, weight, cos, sin, EPS)
+    y32 = rms_norm_reference(x, weight, EPS).float()
+    rotated = torch.cat((-y32[..., dim // 2 :], y32[..., : dim // 2]), dim=-1)
+    magnitude = (y32 * cos.float()[:, None]).abs() + (rotated * sin.float()[:, None]).abs()
+    # float32 noise (the tiles reduce in another order) may flip a bf16 rounding of the norm between the two
+    assert_within_ulps(tiled, per_token, magnitude, 2)
+    assert (tiled == per_token).float().mean() >= 0.99
+    assert_within_ulps(tiled, expected, magnitude, 2)
 
 
 def test_zero_tokens() -> None:
