@@ -76,16 +76,21 @@ def default_extend_config(head_dim: int, group: int, on_gpu: bool, element_size:
     )
 
 
-def build_extend_tiles(extend_seq_lens: torch.Tensor, num_rows: int, block_q: int) -> torch.Tensor:
+def build_extend_tiles(
+    extend_seq_lens: torch.Tensor, num_rows: int, block_q: int, skip: torch.Tensor | None = None
+) -> torch.Tensor:
     """[3, n] int32 device table: per tile its request, first row and the request's end row (exclusive).
 
     Tiles of a request are listed last first (the last rows see the most KV, so they start first). Requests
-    with no rows get no tile. n = cdiv(num_rows, block_q) + requests; tiles past the real count have
-    first row == end row.
+    with no rows get no tile, nor do those where `skip` ([requests] bool) is set (their rows are left to
+    another kernel). n = cdiv(num_rows, block_q) + requests; tiles past the real count have first row == end
+    row.
     """
     lens = extend_seq_lens.to(torch.int64)
     device = lens.device
     tiles = (lens + block_q - 1) // block_q
+    if skip is not None:
+        tiles = tiles.masked_fill(skip, 0)
     tiles_end = torch.cumsum(tiles, 0)
     rows_end = torch.cumsum(lens, 0)
     n = triton.cdiv(num_rows, block_q) + lens.shape[0]

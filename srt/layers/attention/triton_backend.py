@@ -10,7 +10,11 @@ Same semantics as `torch_native`: each query row sees its request's KV positions
   marked `attend_row_by_row` (speculative verify steps: a few rows per request over a long prefix, where the
   extend kernel would give each request's tile a single program walking the whole prefix). Each row then
   reads its own request's KV up to its own position (the step stored every new token's KV first).
-- extend (`kernels/attention/extend.py`): tiles of rows per request, for everything else.
+- extend (`kernels/attention/extend.py`): tiles of rows per request, for everything else. In a step that
+  mixes requests of one row (decoding requests) with requests of several (prompt chunks), the one-row
+  requests go to the decode kernel and only the others get tiles: a one-row request's tile would compute
+  BLOCK_Q x heads rows of scores over its whole KV for one real row (E4B, a mixed step of one 8k prompt and
+  31 decoding requests at 8k context: ~7 ms of the step's ~89 on an H100).
 
 Per-forward metadata is a handful of device tensors made once in `init_forward_metadata` (plus tile tables
 and scratch made at the first layer of each shape and reused by the rest).
@@ -57,6 +61,11 @@ class TritonAttentionMetadata:
     extend_seq_lens: torch.Tensor | None = None
     # extend kernel, sliding layers: each row's last visible kv position where image rows see their whole image
     last_visible: torch.Tensor | None = None
+    # extend kernel beside the decode kernel (a mixed step): the requests of one row, which get no tile and
+    # whose rows (`one_row`: the decode kernel's metadata, positions those rows') the decode kernel computes
+    one_row_requests: torch.Tensor | None = None  # [requests] bool
+    one_row: TritonAttentionMetadata | None = None
+    one_row_index: torch.Tensor | None = None  # [one-row rows] their rows in the batch
     # made at the first layer that needs them, reused by the others
     tiles: dict[int, torch.Tensor] = field(default_factory=dict)  # block_q -> tile table
     partials: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -101,7 +110,7 @@ class TritonAttentionBackend(AttentionBackend):
                 row_seq_lens=batch.seq_lens[index],
             )
             return
-        batch.attn_metadata = TritonAttentionMetadata(
+        meta = TritonAttentionMetadata(
             use_decode_kernel=False,
             positions=batch.positions,
             req_pool_indices=batch.req_pool_indices,
@@ -109,6 +118,10 @@ class TritonAttentionBackend(AttentionBackend):
             extend_seq_lens=batch.extend_seq_lens,
             last_visible=last_visible,
         )
+        lens = batch.extend_seq_lens_cpu
+        if last_visible is None and 1 in lens and max(lens) > 1:
+            _split_one_row_requests(meta, batch)
+        batch.attn_metadata = meta
 
     def forward(self, q: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch) -> torch.Tensor:
         pool = batch.kv_pool
@@ -129,36 +142,16 @@ class TritonAttentionBackend(AttentionBackend):
         on_gpu = q.device.type == "cuda"
         window = layer.sliding_window
 
+        kv = _LayerKV(k_buffer, v_buffer, req_to_token, full_to_swa, window, k_scale, v_scale)
         if meta.use_decode_kernel:
-            splits = num_kv_splits(num_rows, k_buffer.shape[1], _num_sms(q.device))
-            partials = None
-            if splits > 1:
-                key = (num_heads, head_dim, splits)
-                if key not in meta.partials:
-                    meta.partials[key] = decode_partials(num_rows, num_heads, head_dim, splits, q.device)
-                partials = meta.partials[key]
-            decode_attention(
-                q,
-                out,
-                k_buffer,
-                v_buffer,
-                req_to_token,
-                full_to_swa,
-                meta.row_pool_indices,
-                meta.row_seq_lens,
-                meta.positions,
-                window,
-                splits,
-                partials,
-                default_decode_config(head_dim, on_gpu),
-                k_scale,
-                v_scale,
-            )
+            _decode(q, out, meta, kv)
             return out
 
         config = default_extend_config(head_dim, num_heads // k_buffer.shape[1], on_gpu, k_buffer.element_size())
         if config.block_q not in meta.tiles:
-            meta.tiles[config.block_q] = build_extend_tiles(meta.extend_seq_lens, num_rows, config.block_q)
+            meta.tiles[config.block_q] = build_extend_tiles(
+                meta.extend_seq_lens, num_rows, config.block_q, skip=meta.one_row_requests
+            )
         extend_attention(
             q,
             out,
@@ -176,6 +169,11 @@ class TritonAttentionBackend(AttentionBackend):
             v_scale,
             meta.last_visible if window is not None else None,
         )
+        if meta.one_row is not None:  # the rows the tiles skipped
+            index = meta.one_row_index
+            one_row_out = torch.empty((index.shape[0], num_heads, head_dim), dtype=q.dtype, device=q.device)
+            _decode(q[index], one_row_out, meta.one_row, kv)
+            out.index_copy_(0, index, one_row_out)
         return out
 
 
@@ -194,6 +192,67 @@ def _image_last_visible(batch: ForwardBatch) -> torch.Tensor | None:
             last[row : row + num_rows].masked_fill_((positions >= first) & (positions < end), end - 1)
         row += num_rows
     return last
+
+
+@dataclass(frozen=True)
+class _LayerKV:
+    """What a layer's attention reads besides q: its (owner's) buffers and scales, the indirections, its window."""
+
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    req_to_token: torch.Tensor
+    full_to_swa: torch.Tensor
+    window: int | None
+    k_scale: float
+    v_scale: float
+
+
+def _decode(q: torch.Tensor, out: torch.Tensor, meta: TritonAttentionMetadata, kv: _LayerKV) -> None:
+    """The split-KV decode kernel over `meta`'s rows (one query row each), its partials made once per shape."""
+    num_rows, num_heads, head_dim = q.shape
+    splits = num_kv_splits(num_rows, kv.k_buffer.shape[1], _num_sms(q.device))
+    partials = None
+    if splits > 1:
+        key = (num_heads, head_dim, splits)
+        if key not in meta.partials:
+            meta.partials[key] = decode_partials(num_rows, num_heads, head_dim, splits, q.device)
+        partials = meta.partials[key]
+    decode_attention(
+        q,
+        out,
+        kv.k_buffer,
+        kv.v_buffer,
+        kv.req_to_token,
+        kv.full_to_swa,
+        meta.row_pool_indices,
+        meta.row_seq_lens,
+        meta.positions,
+        kv.window,
+        splits,
+        partials,
+        default_decode_config(head_dim, q.device.type == "cuda"),
+        kv.k_scale,
+        kv.v_scale,
+    )
+
+
+def _split_one_row_requests(meta: TritonAttentionMetadata, batch: ForwardBatch) -> None:
+    """Give the one-row requests of a mixed batch to the decode kernel (module docstring), from the host lists
+    (a graph is captured on padding whose requests all have several rows or none: its steps never split)."""
+    lens = batch.extend_seq_lens_cpu
+    starts = batch.extend_start_loc_cpu
+    device = batch.seq_lens.device
+    requests = [i for i, n in enumerate(lens) if n == 1]
+    index = torch.tensor([starts[i] for i in requests], dtype=torch.int64, device=device)
+    which = torch.tensor(requests, dtype=torch.int64, device=device)
+    meta.one_row_requests = torch.tensor([n == 1 for n in lens], dtype=torch.bool, device=device)
+    meta.one_row_index = index
+    meta.one_row = TritonAttentionMetadata(
+        use_decode_kernel=True,
+        positions=batch.positions[index],
+        row_pool_indices=batch.req_pool_indices[which],
+        row_seq_lens=batch.seq_lens[which],
+    )
 
 
 def _check_kv_indices(batch: ForwardBatch, layer: AttentionLayerSpec, meta: TritonAttentionMetadata) -> None:

@@ -192,6 +192,27 @@ def test_extend_with_prefix_hits_matches_torch_native(sliding_kv: int, full_kv: 
 
 
 @pytest.mark.parametrize("sliding_kv,full_kv,window", GQA)
+def test_mixed_step_gives_one_row_requests_to_the_decode_kernel(sliding_kv: int, full_kv: int, window: int) -> None:
+    """Decoding requests (one row, long prefixes) beside a prompt chunk: the tiles skip them, the split-KV
+    decode kernel computes their rows, and every row still matches torch_native."""
+    torch.manual_seed(3)
+    state = PagedState(make_layers(sliding_kv, full_kv, window=window))
+    decoding = [state.add_request(n) for n in (70, 5, 41)]
+    chunked = state.add_request(20)  # a prompt's second chunk, between the decoding requests
+    last = state.add_request(64)
+    rows = [decoding[0], chunked, decoding[1], last, decoding[2]]
+    counts = [1, 12, 1, 1, 1]
+    out_loc = torch.cat([state.new_slots(row, n) for row, n in zip(rows, counts, strict=True)])
+    batch = state.batch(ForwardMode.EXTEND, rows, counts, out_loc)
+    probe = dataclasses.replace(batch)
+    create_attention_backend("triton").init_forward_metadata(probe)
+    assert probe.attn_metadata.one_row_index.tolist() == [0, 13, 14, 15]  # the one-row requests' rows
+    assert probe.attn_metadata.one_row_requests.tolist() == [True, False, True, True, True]
+    compare_backends(state, batch)
+    state.check_integrity()
+
+
+@pytest.mark.parametrize("sliding_kv,full_kv,window", GQA)
 def test_decode_with_split_kv_matches_torch_native(sliding_kv: int, full_kv: int, window: int) -> None:
     torch.manual_seed(1)
     state = PagedState(make_layers(sliding_kv, full_kv, window=window))
@@ -295,6 +316,18 @@ def test_extend_tiles_cover_every_row_once_last_tile_first() -> None:
         [0, 0, 2, 3, 3, 3, 3, 3],
         [4, 0, 5, 10, 6, 14, 14, 14],
         [5, 5, 6, 14, 14, 14, 14, 14],
+    ]
+
+
+def test_extend_tiles_skip_the_requests_left_to_the_decode_kernel() -> None:
+    lens = torch.tensor([5, 0, 1, 8], device=DEVICE)
+    skip = torch.tensor([False, False, True, False], device=DEVICE)
+    tiles = build_extend_tiles(lens, num_rows=14, block_q=4, skip=skip).cpu()
+    # as without `skip`, but request 2 (row 5) gets no tile: a fourth surplus tile instead
+    assert tiles.tolist() == [
+        [0, 0, 3, 3, 3, 3, 3, 3],
+        [4, 0, 10, 6, 14, 14, 14, 14],
+        [5, 5, 14, 14, 14, 14, 14, 14],
     ]
 
 
