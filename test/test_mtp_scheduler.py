@@ -22,6 +22,7 @@ from test_scheduler import assert_idle_and_consistent, greedy, make_scheduler, p
 from srt.managers.inprocess import run_to_completion
 from srt.managers.io_struct import TokenizedGenerateReq
 from srt.managers.scheduler import Scheduler
+from srt.managers.scheduler_process import warm_up
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 from srt.speculative.frozen_kv_mtp import DraftRequests
@@ -82,6 +83,17 @@ def test_greedy_outputs_with_the_assistant_equal_those_without(tiny_checkpoint, 
     rounds = batched["0"].spec_verify_ct
     assert 0 < rounds and rounds + batched["0"].spec_accepted_tokens == 8
     assert_idle_and_consistent(scheduler)
+
+
+def test_server_warm_up_with_the_assistant_leaves_the_pools_empty(tiny_checkpoint) -> None:
+    """The start-up warm-up (its long prompts shortened) with speculation on: the decoding request verifies
+    drafts beside the long prompts, and nothing is left running, cached or in use."""
+    scheduler = mtp_scheduler(tiny_checkpoint)
+    full, swa = scheduler.allocator.full.available(), scheduler.allocator.swa.available()
+    warm_up(scheduler, long_prompt=96)
+    assert_idle_and_consistent(scheduler)
+    assert (scheduler.allocator.full.available(), scheduler.allocator.swa.available()) == (full, swa)
+    assert sum(scheduler.spec.accept_counts) > 0  # verify rounds ran
 
 
 def test_different_acceptance_per_request_in_one_batch(tiny_checkpoint, monkeypatch) -> None:

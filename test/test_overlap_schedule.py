@@ -173,12 +173,19 @@ def test_abort_while_a_step_is_in_flight(tiny_checkpoint, abort_at: int) -> None
 
 
 def test_server_warm_up_leaves_every_pool_as_it_found_it(tiny_checkpoint) -> None:
-    """The GPU server's start-up warm-up (two short requests) runs here on the CPU: afterwards nothing is cached,
-    running or in use, and a request gives the output of a scheduler that never warmed up."""
+    """The GPU server's start-up warm-up (short requests, then long prompts beside a decoding one) runs here on
+    the CPU, its long prompts shortened: afterwards nothing is cached, running or in use, and a request gives
+    the output of a scheduler that never warmed up."""
     path = tiny_checkpoint(PRESET)
     scheduler = make_scheduler(path)
     full, swa = scheduler.allocator.full.available(), scheduler.allocator.swa.available()
-    warm_up(scheduler)
+    launched = []
+    launch = scheduler._launch
+    scheduler._launch = lambda batch, *args: launched.append(batch) or launch(batch, *args)
+    warm_up(scheduler, long_prompt=96)
+    # the long prompts ran in mixed steps: whole, beside the decoding request's row
+    mixed = [[item.num_tokens for item in b.items] for b in launched if max(i.num_tokens for i in b.items) > 64]
+    assert mixed == [[1, 96], [1, 95]]
     assert_idle_and_consistent(scheduler)
     assert scheduler.cache.cached() == 0
     assert (scheduler.allocator.full.available(), scheduler.allocator.swa.available()) == (full, swa)

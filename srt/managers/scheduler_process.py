@@ -84,24 +84,48 @@ def run_scheduler_process(
 
 # one prompt length a multiple of 16 and one not: Triton specialises kernels on row counts that are
 WARMUP_PROMPT_LENS = (37, 64)
+# then prompts of this length beside a decoding request: eager steps past the token-count graphs (4096 + 1 and
+# 4095 + 1 tokens), where the norm + RoPE kernels take their largest token blocks (`rope.head_tiling`) and the
+# decode rows of a mixed step run beside the prompt's tiles. Their kernels would otherwise compile while the
+# first long prompts wait (E4B on an H100 with an empty Triton cache: 5.6 s for the first 8k prompt, then 1.7
+# and 1.6 s for the first mixed steps).
+WARMUP_LONG_PROMPT = 4096
 
 
-def warm_up(scheduler: Scheduler) -> None:
-    """Serve two short greedy requests before the first real one, so that it does not wait while Triton
-    compiles the prefill kernels (~5 s for E4B on an H100). Leaves every pool and cache as it found them."""
+def warm_up(scheduler: Scheduler, long_prompt: int = WARMUP_LONG_PROMPT) -> None:
+    """Serve short greedy requests, then long prompts beside a decoding one, before the first real request,
+    so that it does not wait while Triton compiles the prefill kernels (~5 s for E4B on an H100). Leaves every
+    pool and cache as it found them."""
     start = time.perf_counter()
     vocab = scheduler.runner.model_config.vocab_size
     # short of the context and of the pools, however small they are configured
     room = min(scheduler.runner.context_len - 3, scheduler.allocator.full_size // 4)
-    for i, length in enumerate(WARMUP_PROMPT_LENS):
-        ids = [(7 * j + 3) % vocab for j in range(max(1, min(length, room)))]
-        params = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
-        scheduler.add_request(TokenizedGenerateReq(rid=f"warmup-{i}", input_ids=ids, sampling_params=params))
+    served = 0
+
+    def submit(length: int, max_new_tokens: int) -> None:
+        nonlocal served
+        ids = [(7 * j + 3 + 11 * served) % vocab for j in range(max(1, min(length, room)))]  # no shared prefix
+        params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, ignore_eos=True)
+        scheduler.add_request(TokenizedGenerateReq(rid=f"warmup-{served}", input_ids=ids, sampling_params=params))
+        served += 1
+
+    def drain() -> None:
         while scheduler.has_work():
             scheduler.step()
+
+    for length in WARMUP_PROMPT_LENS:
+        submit(length, max_new_tokens=2)
+    drain()
+    submit(8, max_new_tokens=16)  # decodes through the long prompts' steps
+    scheduler.step()
+    for length in (long_prompt, long_prompt - 1):
+        submit(length, max_new_tokens=1)
+        while any(req.rid == f"warmup-{served - 1}" for req in scheduler.waiting + scheduler.running):
+            scheduler.step()
+    drain()
     scheduler.cache.evict(scheduler.allocator.full_size)
     scheduler.check_integrity()
-    logger.info("warm-up: %d requests in %.1f s", len(WARMUP_PROMPT_LENS), time.perf_counter() - start)
+    logger.info("warm-up: %d requests in %.1f s", served, time.perf_counter() - start)
 
 
 class SchedulerLoop:
