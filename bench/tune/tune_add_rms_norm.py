@@ -1,10 +1,11 @@
-"""Warps of the residual add + RMSNorm kernel (`add_rms_norm_then_norm`) at decode sizes, bf16, one GPU.
+"""Warps of the residual add + RMSNorm kernel (`add_rms_norm_then_norm`) by row count, bf16, one GPU.
 
     PYTHONPATH=. python bench/tune/tune_add_rms_norm.py [--hidden 2560 1536] [--rows 1 8 32]
 
-A decode step runs ~3 of these per layer; each is latency bound (a few KB per row). For each hidden size and
-row count, a CUDA graph of LAYERS calls is timed per warp count (`norm_kernels.add_norm_warps` patched);
-the table gives microseconds per call. Results go to --json, or to $OUT/tune_add_rms_norm.json.
+A step runs ~3 of these per layer; at decode each is latency bound (a few KB per row), at prefill sizes
+(--rows 1024 8192) bandwidth bound. For each hidden size and row count, a CUDA graph of LAYERS calls is timed
+per warp count (`norm_kernels.add_norm_warps` patched); the table gives microseconds per call. Results go to
+--json, or to $OUT/tune_add_rms_norm.json.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def time_call(hidden: int, rows: int, warps: int) -> float:
     residual = torch.randn(rows, hidden, device=device, dtype=bf16)
     weight, next_weight = (torch.randn(hidden, device=device, dtype=bf16) for _ in range(2))
     scale = torch.ones(1, device=device, dtype=bf16)
-    norm_kernels.add_norm_warps = lambda block: warps
+    norm_kernels.add_norm_warps = lambda block, rows: warps
     step = lambda: [  # noqa: E731
         norm_kernels.add_rms_norm_then_norm(x, residual, weight, 1e-6, next_weight, 1e-6, scale) for x in xs
     ]
@@ -50,7 +51,7 @@ def main() -> None:
     for hidden in args.hidden:
         for rows in args.rows:
             us = {warps: time_call(hidden, rows, warps) for warps in WARPS}
-            chosen = default(triton_block := 1 << (hidden - 1).bit_length())
+            chosen = default(triton_block := 1 << (hidden - 1).bit_length(), rows)
             results.append({"hidden": hidden, "rows": rows, "block": triton_block, "default_warps": chosen, "us": us})
             print(f"{hidden:>6} {rows:>4} {chosen:>7} " + " ".join(f"{us[w]:>8.2f}" for w in WARPS), flush=True)
     payload = {"device": torch.cuda.get_device_name(), "results": results}

@@ -227,12 +227,18 @@ def _add_rms_norm(
             x.stride(0) if partials else 0, x.stride(-2), residual.stride(0), out.stride(0), out.stride(0),
             hidden, eps, next_eps,  # next_out: as out
             SPLITS=x.shape[0] if partials else 1, HAS_WEIGHT=weight is not None, HAS_SCALE=scale is not None,
-            NEXT_NORM=next_weight is not None, BLOCK=block, USE_PDL=bool(launch), num_warps=add_norm_warps(block),
-            **launch,
+            NEXT_NORM=next_weight is not None, BLOCK=block, USE_PDL=bool(launch),
+            num_warps=add_norm_warps(block, tokens), **launch,
         )  # fmt: skip
     return out, next_out
 
 
-def add_norm_warps(block: int) -> int:
-    """Warps of the add + norm kernel for a row of `block` (a power of two) columns."""
-    return min(16, max(1, block // 256))
+# From this many rows (prefill sizes) the add + norm kernel runs 8 warps a row rather than 16: more rows share an
+# SM (H100, bench/tune/tune_add_rms_norm.py --rows 1024 2048 4096 8192: hidden 2560 at 8192 rows 79 -> 68 us,
+# 5376 153 -> 147); decode's few rows keep 16 (the same sweep at 1-32 rows)
+PREFILL_ROWS = 1024
+
+
+def add_norm_warps(block: int, rows: int) -> int:
+    """Warps of the add + norm kernel for `rows` rows of `block` (a power of two) columns."""
+    return min(16 if rows < PREFILL_ROWS else 8, max(1, block // 256))
