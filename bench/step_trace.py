@@ -7,8 +7,9 @@ The trace is cut into bursts of work (no event for --idle seconds between them: 
 Per burst it prints the steps by kind (prompt steps: steps that carry prompt tokens; decode steps) with their
 wall time (launch to the host's read of the tokens; an overlapped decode step's read comes one step later,
 so their figure is per step: the burst's decode time / steps), the host's gap between one step's read and
-the next launch, and per request where the time to its first token went in the scheduler: queued (arrival
-to the launch of its first prompt chunk) and computed (that launch to the read of its first token).
+the next launch (and its stretches between the trace's `mark` points), and per request where the time to its
+first token went in the scheduler: queued (arrival to the launch of its first prompt chunk) and computed (that
+launch to the read of its first token).
 """
 
 from __future__ import annotations
@@ -83,6 +84,27 @@ def summarize(events: list[dict]) -> dict[str, list[float]]:
     return out
 
 
+def gap_stretches(events: list[dict]) -> dict[str, list[float]]:
+    """After each prompt step's read: the host's stretches (`mark` points, arrivals, the launch) up to the next
+    forward call, each as "from -> to" with one duration (seconds) per prompt step."""
+    stretches: dict[str, list[float]] = {}
+    launches: deque[dict] = deque()
+    previous: tuple[str, float] | None = None
+    for event in events:
+        kind = event["event"]
+        if kind == "launch":
+            launches.append(event)
+        name = event.get("at", kind)
+        if kind == "finish" and launches and launches.popleft()["prompt_tokens"]:
+            previous = ("finish", event["t"])
+            continue
+        if previous is None or kind == "finish":
+            continue
+        stretches.setdefault(f"{previous[0]} -> {name}", []).append(event["t"] - previous[1])
+        previous = None if name == "forward" else (name, event["t"])
+    return stretches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prefix", help="The SRT_STEP_TRACE path (files PREFIX.<pid>).")
@@ -97,6 +119,11 @@ def main() -> None:
         print(f"burst {i}: {burst[-1]['t'] - burst[0]['t']:.2f} s, {arrivals} requests, {prompt_tokens} prompt tokens")
         for name, values in summarize(burst).items():
             print(f"  {name:32} {stats_ms(values)}")
+        stretches = gap_stretches(burst)
+        if stretches:
+            print("  after a prompt step, until the next forward call:")
+            for name, values in stretches.items():
+                print(f"    {name:30} {stats_ms(values)}")
 
 
 if __name__ == "__main__":

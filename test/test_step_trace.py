@@ -51,4 +51,8 @@ def test_trace_records_each_request_from_arrival_to_first_token(tiny_checkpoint,
     assert len(summary["queued"]) == len(summary["computed"]) == 2
     assert all(seconds >= 0 for seconds in summary["queued"] + summary["computed"])
     assert len(summary["prompt step"]) == len(prompt_steps)
+    # the host's stretches after each prompt step end at the next forward call
+    stretches = reader.gap_stretches(events)
+    assert any(name.endswith("-> forward") for name in stretches)
+    assert all(seconds >= 0 for values in stretches.values() for seconds in values)
     scheduler.check_integrity()

@@ -194,6 +194,7 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduleBatch | None:
         """Prompt chunks under the budgets and, mixed in first, one token of every decoding request."""
+        self.trace.mark("schedule")
         chunked = [req for req in self.running if req.to_compute > 1]  # at most one: a prefill in progress
         if not chunked and not self.waiting:
             return None  # no prompt work: a decode step
@@ -312,6 +313,7 @@ class Scheduler:
             fill_drafts(forward_batch, batch.items, drafts)
         # each new token's slot at its request's row and its position, in one op for the whole batch
         self.req_to_token_pool.write_one_each(forward_batch.token_req_pool_indices(), forward_batch.positions, slots)
+        self.trace.mark("forward")
         output = self.runner.forward(forward_batch)
         logits = output.logits
 
@@ -376,6 +378,7 @@ class Scheduler:
             outputs.append(collect_output(req))
         windows = request_kv.out_of_window(out_of_window, self.sliding_window)
         request_kv.free_kv(given_back, windows, self.req_to_token_pool, self.allocator)
+        self.trace.mark("finished")
         return outputs
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor, greedy_ids: torch.Tensor | None) -> SampledTokens:

@@ -190,6 +190,7 @@ class SchedulerLoop:
                 self.generated_tokens_total += sum(len(out.new_token_ids) for out in outputs)
                 if outputs:
                     self.send_socket.send_pyobj(BatchTokenIDOut(outputs))
+                    self.scheduler.trace.mark("sent")
             elif busy:
                 busy = False
                 self._check_integrity()

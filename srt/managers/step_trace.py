@@ -7,6 +7,9 @@ seconds (`time.time()`, comparable with the clients' and `emit_ts`):
     {"t": ..., "event": "launch", "mode": "extend", "prompt_tokens": 8192, "decode_rows": 7,
      "admitted": [rid, ...], "waiting": 0, "running": 8}              a step's forward was queued
     {"t": ..., "event": "finish", "mode": "extend", "first_token": [rid, ...]}   its tokens were read
+    {"t": ..., "event": "mark", "at": "forward"}                      a point of the host's work (`mark`):
+        "finished" (a step's bookkeeping done), "sent" (its outputs sent), "schedule" (the next step being
+        chosen), "forward" (its batch laid out, the forward called)
 
 Unset (the default), every call returns at once. A trace is a diagnosis, not a metric: /metrics and the
 periodic log line are what a server reports.
@@ -58,6 +61,11 @@ class StepTrace:
         if self._file is not None:
             first = [item.req.rid for item in batch.items if len(item.req.output_ids) == 1]
             self._write({"event": "finish", "mode": batch.mode.name.lower(), "first_token": first})
+
+    def mark(self, at: str) -> None:
+        """A point of the host's work between steps, to time the stretches between them."""
+        if self._file is not None:
+            self._write({"event": "mark", "at": at})
 
     def _write(self, record: dict) -> None:
         assert self._file is not None
