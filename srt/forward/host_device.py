@@ -8,6 +8,8 @@ pinned memory and reads them later, after the next step is launched.
 
 from __future__ import annotations
 
+import array
+
 import torch
 
 ALIGN = 2  # int64 elements: each list starts 16-byte aligned in the shared buffer
@@ -19,13 +21,17 @@ def host_to_device(lists: list[list[int]], device: torch.device | str) -> list[t
     Each view starts 16-byte aligned, as a tensor of its own would: Triton specialises kernels on the alignment
     of pointer arguments, and views at arbitrary offsets would compile new variants as batch sizes change.
     """
-    starts, flat = [], []
+    # an int64 array, not a list: torch.tensor(list) converts ~1 us per 20 values, which an 8k prompt's step
+    # (positions and ids, ~16k values) paid on the host while the GPU waited; the array converts 4x faster
+    starts, flat = [], array.array("q")
     for values in lists:
-        flat += [0] * (-len(flat) % ALIGN)
+        flat.extend([0] * (-len(flat) % ALIGN))
         starts.append(len(flat))
-        flat += values
+        flat.extend(values)
     pinned = torch.device(device).type == "cuda"
-    host = torch.tensor(flat, dtype=torch.int64, pin_memory=pinned)
+    host = torch.empty(len(flat), dtype=torch.int64, pin_memory=pinned)
+    if flat:
+        host.copy_(torch.frombuffer(flat, dtype=torch.int64))
     # the caching host allocator keeps the pinned block until the copy has run
     whole = host.to(device, non_blocking=pinned)
     return [whole[start : start + len(values)] for start, values in zip(starts, lists, strict=True)]
