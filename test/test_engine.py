@@ -110,6 +110,7 @@ def test_logprobs_and_input_ids(engine, expected):
         ({"prompt": "hi", "sampling_params": {"max_new_tokens": 10**6}}, "max_new_tokens"),
         ({"prompt": "hi", "sampling_params": {"warmth": 1}}, "warmth"),
         ({"input_ids": [1, 10**6]}, "input_ids"),
+        ({"input_ids": [-1, 1]}, "input_ids"),
         ({"prompt": "hi", "input_ids": [1]}, "input_ids"),
         ({"prompt": "hi", "top_logprobs_num": -1}, "top_logprobs_num"),
         ({"prompt": "hi", "sampling_params": {"seed": 2**64}}, "seed must be in"),
