@@ -113,9 +113,9 @@ def warm_up(scheduler: Scheduler, long_prompt: int = WARMUP_LONG_PROMPT) -> None
         while scheduler.has_work():
             scheduler.step()
 
-    for length in WARMUP_PROMPT_LENS:
+    for length in WARMUP_PROMPT_LENS:  # one at a time: each its own step of that many rows
         submit(length, max_new_tokens=2)
-    drain()
+        drain()
     submit(8, max_new_tokens=16)  # decodes through the long prompts' steps
     scheduler.step()
     for length in (long_prompt, long_prompt - 1):
