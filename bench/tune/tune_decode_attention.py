@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import multiprocessing
 import os
 import sys
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from itertools import product
 from pathlib import Path
 
@@ -45,6 +43,7 @@ from srt.mem_cache.kv_pool import HybridKVPool, layer_kv_bytes
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: timing.py and friends
+from compile_pool import precompile  # noqa: E402
 from timing import time_cuda, write_json  # noqa: E402
 
 MODELS = ("gemma-4-E4B-it", "gemma-4-26B-A4B-it")
@@ -159,21 +158,6 @@ def _compile_worker(spec: AttentionLayerSpec, candidates: list[Candidate]) -> in
             failed += 1
     torch.cuda.synchronize()
     return failed
-
-
-def precompile(work: list[tuple[AttentionLayerSpec, list[Candidate]]], jobs: int, chunk: int = 6) -> None:
-    """Compile every (layer, candidate) in `jobs` spawned processes (CUDA forbids forking after its init)."""
-    tasks = [(spec, cands[i : i + chunk]) for spec, cands in work for i in range(0, len(cands), chunk)]
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(jobs, mp_context=context) as pool:
-        futures = {pool.submit(_compile_worker, spec, cands): len(cands) for spec, cands in tasks}
-        with tqdm(total=sum(futures.values()), desc="compile", unit="kernel") as bar:
-            for future in as_completed(futures):
-                try:
-                    future.result()
-                except Exception as exc:  # its kernels get compiled (or fail) in the timing process instead
-                    bar.write(f"compile worker failed: {type(exc).__name__}: {exc}")
-                bar.update(futures[future])
 
 
 def reference_output(inputs: DecodeInputs, candidate: Candidate) -> torch.Tensor:
@@ -292,7 +276,8 @@ def main() -> None:
         per_layer = {spec: set() for _, spec in layers}
         for (_, spec, _), cands in candidates.items():
             per_layer[spec].update(cands)
-        precompile([(spec, sorted(cands, key=Candidate.sort_key)) for spec, cands in per_layer.items()], args.jobs)
+        work = [(spec, sorted(cands, key=Candidate.sort_key)) for spec, cands in per_layer.items()]
+        precompile(_compile_worker, work, args.jobs, chunk=6)
 
     torch.manual_seed(0)
     results = []

@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import multiprocessing
 import os
 import sys
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from itertools import product
 from pathlib import Path
 
@@ -40,6 +38,7 @@ from srt.mem_cache.kv_pool import HybridKVPool
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: timing.py and friends
+from compile_pool import precompile  # noqa: E402
 from timing import time_cuda, write_json  # noqa: E402
 
 MODELS = ("gemma-4-E4B-it", "gemma-4-26B-A4B-it", "gemma-4-31B-it")
@@ -156,20 +155,6 @@ def _compile_worker(spec: AttentionLayerSpec, configs: list[ExtendConfig]) -> in
     return failed
 
 
-def precompile(work: list[tuple[AttentionLayerSpec, list[ExtendConfig]]], jobs: int, chunk: int = 4) -> None:
-    """Compile every (layer, config) in `jobs` spawned processes (CUDA forbids forking after its init)."""
-    tasks = [(spec, configs[i : i + chunk]) for spec, configs in work for i in range(0, len(configs), chunk)]
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(_compile_worker, spec, configs): len(configs) for spec, configs in tasks}
-        with tqdm(total=sum(futures.values()), desc="compile", unit="kernel") as bar:
-            for future in as_completed(futures):
-                try:
-                    future.result()
-                except Exception as exc:  # its kernels get compiled (or fail) in the timing process instead
-                    bar.write(f"compile worker failed: {type(exc).__name__}: {exc}")
-                bar.update(futures[future])
-
-
 def time_config(inputs: ExtendInputs, config: ExtendConfig, reference: torch.Tensor | None, repeats: int) -> dict:
     """Output (max abs diff against `reference`) and median device time of one call."""
     record = dataclasses.asdict(config)
@@ -210,7 +195,7 @@ def main() -> None:
     layers = tuned_layers(args.models)
     configs = {spec: grid_configs(spec) for _, spec in layers}
     if args.jobs > 0:
-        precompile(list(configs.items()), args.jobs)
+        precompile(_compile_worker, list(configs.items()), args.jobs, chunk=4)
 
     torch.manual_seed(0)
     results = []
