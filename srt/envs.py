@@ -72,6 +72,15 @@ def simulated_accept_len() -> float | None:
     return accept_len
 
 
+SRT_STEP_TRACE = "SRT_STEP_TRACE"
+
+
+def step_trace_path() -> str | None:
+    """SRT_STEP_TRACE, read when a scheduler starts: the path prefix of its timeline (`managers/step_trace.py`;
+    one file PATH.<pid> per scheduler process), None when unset."""
+    return os.environ.get(SRT_STEP_TRACE, "").strip() or None
+
+
 def step_shaping_values() -> dict[str, str | None]:
     """The switches (and the simulated accept length) as set in this process: what tensor-parallel ranks must
     agree on, since they change which kernels and collectives a step runs."""

@@ -7,10 +7,10 @@ import importlib.util
 import os
 from pathlib import Path
 
+from srt.envs import SRT_STEP_TRACE
 from srt.managers.inprocess import run_to_completion
 from srt.managers.io_struct import TokenizedGenerateReq
 from srt.managers.scheduler import Scheduler
-from srt.managers.step_trace import TRACE_ENV
 from srt.model_executor.model_runner import ModelRunner
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
@@ -27,7 +27,7 @@ def load_reader():
 
 def test_trace_records_each_request_from_arrival_to_first_token(tiny_checkpoint, tmp_path, monkeypatch) -> None:
     prefix = tmp_path / "trace"
-    monkeypatch.setenv(TRACE_ENV, str(prefix))
+    monkeypatch.setenv(SRT_STEP_TRACE, str(prefix))
     args = ServerArgs(model_path=str(tiny_checkpoint("tiny-gemma-4-E4B-it")), device="cpu", dtype="float32",
                       chunked_prefill_size=32)  # fmt: skip
     scheduler = Scheduler(args, ModelRunner(args))

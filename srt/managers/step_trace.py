@@ -22,17 +22,17 @@ import os
 import time
 from typing import TYPE_CHECKING, TextIO
 
+from srt.envs import step_trace_path
+
 if TYPE_CHECKING:
     from srt.managers.schedule_batch import ScheduleBatch
-
-TRACE_ENV = "SRT_STEP_TRACE"
 
 
 class StepTrace:
     """Appends the scheduler's events to `$SRT_STEP_TRACE.<pid>` when the variable is set."""
 
     def __init__(self, path: str | None = None) -> None:
-        path = path if path is not None else os.environ.get(TRACE_ENV)
+        path = path if path is not None else step_trace_path()
         self._file: TextIO | None = open(f"{path}.{os.getpid()}", "a", buffering=1) if path else None  # noqa: SIM115
 
     @property
