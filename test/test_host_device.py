@@ -18,6 +18,11 @@ def test_host_to_device_splits_one_copy_into_the_lists() -> None:
     assert all(t.data_ptr() % 16 == 0 for t in tensors)
 
 
+def test_host_to_device_of_empty_lists() -> None:
+    assert [t.tolist() for t in host_to_device([[], []], torch.device("cpu"))] == [[], []]
+    assert host_to_device([], torch.device("cpu")) == []
+
+
 def test_device_to_host_keeps_the_values_of_when_it_started() -> None:
     """The copy sees the tensor as it was when queued, not a later overwrite (a graph's output buffer)."""
     ids = torch.tensor([3, 1, 4])

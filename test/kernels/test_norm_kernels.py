@@ -11,6 +11,8 @@ import torch
 from kernel_inputs import DEVICE, EPS, assert_within_ulps, random_weight
 
 from srt.kernels.norm import (
+    PREFILL_ROWS,
+    add_norm_warps,
     add_rms_norm,
     add_rms_norm_reference,
     add_rms_norm_then_norm,
@@ -154,6 +156,14 @@ def test_add_rms_norm_float32_scale_keeps_the_dtype() -> None:
     got = add_rms_norm(x, residual, None, EPS, scale, use_triton=True)
     assert got.dtype == torch.bfloat16
     assert_within_ulps(got, expected, (residual.float().abs() + normed.float().abs()) * 0.5, 1)
+
+
+def test_add_norm_warps_by_row_count() -> None:
+    """16 warps a row at decode sizes, 8 from prefill sizes (the H100 sweeps); never more than a row's columns
+    need (one warp per 256)."""
+    assert add_norm_warps(4096, 32) == 16
+    assert add_norm_warps(4096, PREFILL_ROWS) == 8
+    assert add_norm_warps(1024, 8192) == 4
 
 
 def test_zero_tokens() -> None:
