@@ -13,8 +13,8 @@ Same semantics as `torch_native`: each query row sees its request's KV positions
 - extend (`kernels/attention/extend.py`): tiles of rows per request, for everything else. In a step that
   mixes requests of one row (decoding requests) with requests of several (prompt chunks), the one-row
   requests go to the decode kernel and only the others get tiles: a one-row request's tile would compute
-  BLOCK_Q x heads rows of scores over its whole KV for one real row (E4B, a mixed step of one 8k prompt and
-  31 decoding requests at 8k context: ~7 ms of the step's ~89 on an H100).
+  BLOCK_Q x heads rows of scores over its whole KV for one real row (E4B on an H100, steps of one 8k prompt
+  beside 31 decoding requests of up to 8k context: 88.9 -> 86.6 ms, two serving runs).
 
 Per-forward metadata is a handful of device tensors made once in `init_forward_metadata` (plus tile tables
 and scratch made at the first layer of each shape and reused by the rest).
