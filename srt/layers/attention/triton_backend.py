@@ -29,6 +29,7 @@ import torch
 
 from srt.configs.model_config import AttentionLayerSpec
 from srt.forward.forward_batch import ForwardBatch
+from srt.forward.host_device import host_to_device
 from srt.kernels.attention.decode import decode_attention, decode_partials, default_decode_config, num_kv_splits
 from srt.kernels.attention.extend import build_extend_tiles, default_extend_config, extend_attention
 from srt.layers.attention.base import AttentionBackend
@@ -103,12 +104,7 @@ class TritonAttentionBackend(AttentionBackend):
             # at most one row per request (host lists, no read-back): the split-KV kernel, one row each
             rows_of = [i for i, n in enumerate(batch.extend_seq_lens_cpu) if n]
             index = torch.tensor(rows_of, dtype=torch.int64, device=batch.seq_lens.device)
-            batch.attn_metadata = TritonAttentionMetadata(
-                use_decode_kernel=True,
-                positions=batch.positions,
-                row_pool_indices=batch.req_pool_indices[index],
-                row_seq_lens=batch.seq_lens[index],
-            )
+            batch.attn_metadata = _decode_rows(batch, index, batch.positions)
             return
         meta = TritonAttentionMetadata(
             use_decode_kernel=False,
@@ -239,19 +235,22 @@ def _decode(q: torch.Tensor, out: torch.Tensor, meta: TritonAttentionMetadata, k
 def _split_one_row_requests(meta: TritonAttentionMetadata, batch: ForwardBatch) -> None:
     """Give the one-row requests of a mixed batch to the decode kernel (module docstring), from the host lists
     (a graph is captured on padding whose requests all have several rows or none: its steps never split)."""
-    lens = batch.extend_seq_lens_cpu
     starts = batch.extend_start_loc_cpu
-    device = batch.seq_lens.device
-    requests = [i for i, n in enumerate(lens) if n == 1]
-    index = torch.tensor([starts[i] for i in requests], dtype=torch.int64, device=device)
-    which = torch.tensor(requests, dtype=torch.int64, device=device)
-    meta.one_row_requests = torch.tensor([n == 1 for n in lens], dtype=torch.bool, device=device)
+    requests = [i for i, n in enumerate(batch.extend_seq_lens_cpu) if n == 1]
+    # one pinned copy that the host does not wait for (an eager step's, never a captured one's)
+    which, index = host_to_device([requests, [starts[i] for i in requests]], batch.seq_lens.device)
+    meta.one_row_requests = batch.extend_seq_lens == 1
     meta.one_row_index = index
-    meta.one_row = TritonAttentionMetadata(
+    meta.one_row = _decode_rows(batch, which, batch.positions[index])
+
+
+def _decode_rows(batch: ForwardBatch, requests: torch.Tensor, positions: torch.Tensor) -> TritonAttentionMetadata:
+    """The decode kernel's metadata for one query row of each of `requests` (batch indices), at `positions`."""
+    return TritonAttentionMetadata(
         use_decode_kernel=True,
-        positions=batch.positions[index],
-        row_pool_indices=batch.req_pool_indices[which],
-        row_seq_lens=batch.seq_lens[which],
+        positions=positions,
+        row_pool_indices=batch.req_pool_indices[requests],
+        row_seq_lens=batch.seq_lens[requests],
     )
 
 
