@@ -8,7 +8,7 @@ import torch
 from srt.mem_cache.allocator import SWATokenAllocator, TokenSlotAllocator
 from srt.mem_cache.base_prefix_cache import CacheStats
 from srt.mem_cache.chunk_cache import ChunkCache
-from srt.mem_cache.radix_cache import RadixCache
+from srt.mem_cache.radix_cache import COMPARE_BLOCK, RadixCache, common_prefix_len
 
 
 def ids(t: torch.Tensor) -> list[int]:
@@ -181,3 +181,18 @@ def test_chunk_cache_integrity_covers_the_swa_pool() -> None:
     alloc.check_integrity()  # the allocator's own counts still add up
     with pytest.raises(AssertionError, match=r"swa pool: slots \[1\] are held twice"):
         cache.check_integrity(request_slots=row)
+
+
+def test_common_prefix_len_finds_the_first_difference_across_compare_blocks() -> None:
+    """Compared a block at a time: the first differing token, wherever it falls (inside, at and across block
+    edges, past the shorter side), as an element-by-element scan finds it."""
+    key = tuple(range(3 * COMPARE_BLOCK + 5))
+    for start in (0, 3):
+        tokens = [-1] * start + list(key)
+        for at in (0, 1, COMPARE_BLOCK - 1, COMPARE_BLOCK, COMPARE_BLOCK + 1, 2 * COMPARE_BLOCK, len(key) - 1):
+            changed = tokens.copy()
+            changed[start + at] = -2
+            assert common_prefix_len(key, changed, start) == at
+        assert common_prefix_len(key, tokens, start) == len(key)
+        assert common_prefix_len(key, tokens[: start + 10], start) == 10
+        assert common_prefix_len(key[:7], tokens, start) == 7

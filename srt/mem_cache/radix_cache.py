@@ -62,12 +62,19 @@ class TreeNode(CacheHandle):
         return f"TreeNode({list(self.key)}, slots={self.slots.tolist()}, lock={self.lock_ref})"
 
 
+COMPARE_BLOCK = 256  # tokens compared per tuple comparison (C speed) before the element-wise search
+
+
 def common_prefix_len(key: tuple[int, ...], token_ids: Sequence[int], start: int) -> int:
-    """How many leading tokens of `key` equal token_ids[start:]."""
+    """How many leading tokens of `key` equal token_ids[start:].
+
+    Compared a block at a time as tuples (an 8k-token prompt walks its own node on every insert: an element-wise
+    Python loop took ~0.5 ms), then element by element inside the first block that differs."""
     n = min(len(key), len(token_ids) - start)
-    for i in range(n):
-        if key[i] != token_ids[start + i]:
-            return i
+    for block in range(0, n, COMPARE_BLOCK):
+        end = min(block + COMPARE_BLOCK, n)
+        if key[block:end] != tuple(token_ids[start + block : start + end]):
+            return next(i for i in range(block, end) if key[i] != token_ids[start + i])
     return n
 
 

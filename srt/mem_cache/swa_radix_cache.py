@@ -19,9 +19,11 @@ sliding attention (`swa_lock_ref`); SWA eviction may tombstone anything else, ev
 from __future__ import annotations
 
 import heapq
+import itertools
 
 import torch
 
+from srt.forward.host_device import fill_at
 from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.base_prefix_cache import CacheStats, check_swa_partition
 from srt.mem_cache.radix_cache import RadixCache, TreeNode
@@ -57,14 +59,15 @@ class SWARadixCache(RadixCache):
     # ---- insertion -----------------------------------------------------------------------------------
     def _add_leaves(self, parent: TreeNode, key: tuple[int, ...], slots: torch.Tensor) -> list[TreeNode]:
         """New tokens become a chain of nodes, one per run of tokens with / without SWA KV."""
-        live = (self.allocator.full_to_swa[slots] != 0).tolist()
-        nodes, start = [], 0
-        for end in range(1, len(key) + 1):
-            if end == len(key) or live[end] != live[start]:
-                parent = self._add_node(parent, key[start:end], slots[start:end])
-                parent.tombstone = not live[start]
-                nodes.append(parent)
-                start = end
+        live = self.allocator.full_to_swa[slots] != 0
+        # one read: whether the first token is live, then where each run after the first starts
+        run_starts = torch.nonzero(live[1:] != live[:-1]).flatten().add_(1)
+        first_live, *starts = torch.cat([live[:1].long(), run_starts]).tolist()
+        nodes = []
+        for i, (start, end) in enumerate(itertools.pairwise([0, *starts, len(key)])):
+            parent = self._add_node(parent, key[start:end], slots[start:end])
+            parent.tombstone = bool(first_live) == bool(i % 2)  # runs alternate live / tombstone
+            nodes.append(parent)
         return nodes
 
     def _adopt(self, node: TreeNode, request_slots: torch.Tensor) -> TreeNode:
@@ -86,7 +89,7 @@ class SWARadixCache(RadixCache):
         if tail > 0:
             self._split(node, tail)  # `node` keeps the revivable tail
         to_swa[node.slots] = to_swa[request_slots[tail:]]
-        to_swa[request_slots[tail:]] = 0
+        fill_at(to_swa, (request_slots[tail:],), 0)
         node.tombstone = False
         return node
 
