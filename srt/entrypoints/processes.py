@@ -45,11 +45,19 @@ class ServingProcesses:
     stopped: bool = False
 
     def problem(self) -> str | None:
-        """A message naming a child that died, or None while all are alive."""
-        for name, proc in self.children.items():
-            if not proc.is_alive():
-                return f"the {name} process exited unexpectedly (exit code {proc.exitcode})"
-        return None
+        """A message naming the children that died, or None while all are alive.
+
+        One child's death often takes others with it (a killed tensor-parallel rank breaks its peers'
+        connections, and they exit with an error a moment later), so a child ended by a signal is named
+        first: that is the cause, the others' exits its consequence."""
+        dead = [(name, proc.exitcode) for name, proc in self.children.items() if not proc.is_alive()]
+        if not dead:
+            return None
+        dead.sort(key=lambda item: item[1] is None or item[1] >= 0)  # stable: signals first, then start order
+        (name, code), *others = dead
+        message = f"the {name} process exited unexpectedly (exit code {code})"
+        also = ", ".join(f"{other} (exit code {other_code})" for other, other_code in others)
+        return message + (f"; also exited: {also}" if also else "")
 
     def watch(self, loop: asyncio.AbstractEventLoop, on_death: Callable[[str], None]) -> Callable[[], None]:
         """Call `on_death(problem)` on `loop` the moment a child exits (its sentinel becomes readable: no
@@ -62,10 +70,9 @@ class ServingProcesses:
 
         def died(name: str) -> None:
             stop()
-            proc = self.children[name]
-            proc.join(1.0)  # the sentinel closes a moment before the exit status can be read
+            self.children[name].join(1.0)  # the sentinel closes a moment before the exit status can be read
             if not self.stopped:
-                on_death(f"the {name} process exited unexpectedly (exit code {proc.exitcode})")
+                on_death(self.problem() or f"the {name} process exited unexpectedly")
 
         for name, fd in sentinels.items():
             loop.add_reader(fd, died, name)

@@ -12,6 +12,7 @@ every rank on the same step).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import signal
 import time
@@ -66,6 +67,10 @@ def run_scheduler_process(
             loop = SchedulerLoop(scheduler, server_args, port_args, group, 0 if place is None else place.replica)
         else:
             loop = FollowerLoop(scheduler, group)
+        # the model, pools and graphs live as long as the process: out of the collector's sight, so that its
+        # full collections between steps do not walk them again and again
+        gc.collect()
+        gc.freeze()
     except Exception:
         report(ready_pipe, ReadyReport(ok=False, error=traceback.format_exc()))
         return
