@@ -60,7 +60,9 @@ class DraftGraphs(OneRowPerRequestSteps):
             "input_ids": newest,
             "hidden": hidden,
         }
-        return self._run(values, batch_size)[:batch_size]
+        # a copy: the replay's output buffer lies in the graphs' shared memory pool, which the verify step's replay
+        # reuses before acceptance reads these drafts (sampled requests index probabilities with them)
+        return self._run(values, batch_size)[:batch_size].clone()
 
     def _step(self, batch_size: int) -> torch.Tensor:
         view = self.inputs.view(batch_size)
