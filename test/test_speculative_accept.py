@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from srt.managers.verify_round import simulate_acceptance
 from srt.speculative.accept import accept_greedy, accept_sampled, accepted_prefix
 
 SAMPLES = 40_000  # each frequency's standard error is below 0.0025
@@ -65,3 +66,19 @@ def test_sampling_keeps_the_targets_distribution() -> None:
 def _total_variation(samples: torch.Tensor, probs: torch.Tensor) -> float:
     frequencies = torch.bincount(samples, minlength=probs.numel()).double() / samples.numel()
     return 0.5 * (frequencies - probs.double()).abs().sum().item()
+
+
+def test_simulated_acceptance_is_exact_per_request_and_differs_by_row() -> None:
+    """SRT_SIMULATE_ACCEPT_LEN=2.5: every request accepts 1.5 drafts per round over any two rounds (no random
+    draw: runs compare), half the rows 2 and half 1 in each round, never more than its drafts."""
+    drafts, target = torch.full((4, 3), 7), torch.full((4, 4), 9)
+    counts = torch.tensor([3, 3, 3, 3])
+    totals = torch.zeros(4, dtype=torch.int64)
+    for round_index in range(10):
+        out = simulate_acceptance(drafts, target, counts, 2.5, torch.arange(4) + round_index)
+        assert sorted(out.num_accepted.tolist()) == [1, 1, 2, 2]
+        totals += out.num_accepted
+    assert totals.tolist() == [15, 15, 15, 15]
+    few = simulate_acceptance(drafts, target, torch.tensor([0, 1, 3, 3]), 3.5, torch.arange(4))
+    assert few.num_accepted.tolist() == [0, 1, 2, 3]
+    assert few.tokens[0].tolist() == [9, 9, 9, 9] and few.tokens[3].tolist() == [7, 7, 7, 9]

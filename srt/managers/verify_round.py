@@ -121,7 +121,11 @@ class VerifyRound:
         # each kv_len already counts all its verify rows; a round keeps the newest token and its accepted drafts
         kept_before = [req.kv_len - n for req, n in zip(reqs, num_drafts, strict=True)]
         rows_of_reqs = [req.req_pool_idx for req in reqs]
-        first, counts, kv_lens, row_ids = host_to_device([first_rows, num_drafts, kept_before, rows_of_reqs], device)
+        # the simulated acceptance's phase per request: its rounds so far, offset by its row (rows differ)
+        phases = [] if accept_len is None else [req.spec_verify_ct + i for i, req in enumerate(reqs)]
+        first, counts, kv_lens, row_ids, phases = host_to_device(
+            [first_rows, num_drafts, kept_before, rows_of_reqs, phases], device
+        )
         # [batch, K + 1] logits row of each verify row; a request's rows past its drafts repeat its last one
         steps = torch.arange(k + 1, device=device)
         rows = first[:, None] + torch.minimum(steps[None, :], counts[:, None])
@@ -134,7 +138,7 @@ class VerifyRound:
         if sampled:
             accepted = _accept_sampled_rows(reqs, drafts, row_logits, sampling, counts, accepted)
         if accept_len is not None:
-            accepted = _simulated(drafts, accepted.tokens, counts, accept_len)
+            accepted = simulate_acceptance(drafts, accepted.tokens, counts, accept_len, phases)
         hidden = hidden_states[first + accepted.num_accepted]  # the row that chose each round's last token
         for req, req_hidden in zip(reqs, hidden.unbind(), strict=True):
             req.draft_hidden = req_hidden
@@ -195,18 +199,26 @@ def _accept_sampled_rows(
     unseeded = [i for i in sampled if reqs[i].generator is None]
     groups += [unseeded] if unseeded else []
     for group in groups:
-        index = torch.tensor(group, dtype=torch.int64, device=drafts.device)
+        (index,) = host_to_device([group], drafts.device)
         generator = reqs[group[0]].generator or sampling.default_generator
         out = accept_sampled(drafts[index], probs[index], generator, counts[index])
         num[index], tokens[index] = out.num_accepted, out.tokens
     return Accepted(num, tokens)
 
 
-def _simulated(drafts: torch.Tensor, target_tokens: torch.Tensor, counts: torch.Tensor, accept_len: float) -> Accepted:
-    """Benchmarks on random weights: accept a mean of `accept_len - 1` drafts per round whatever they are (the
-    fraction drawn per request), then the target's token after them. Changes outputs: dummy weights only."""
+def simulate_acceptance(
+    drafts: torch.Tensor, target_tokens: torch.Tensor, counts: torch.Tensor, accept_len: float, phases: torch.Tensor
+) -> Accepted:
+    """Benchmarks on random weights: accept `accept_len - 1` drafts per round on average whatever they are, then
+    the target's token after them. Changes outputs: dummy weights only.
+
+    Deterministic, so that runs compare: with f the fraction of a draft, a request accepts one more than the
+    whole part in the rounds where floor(phase * f) steps up (phase: its rounds so far plus its row), so its
+    mean over any rounds is within 1 / rounds of the asked one (fewer where its drafts run out) and the rows of
+    a batch differ (at 2.5: half accept 2 drafts, half 1, alternating)."""
     whole = int(accept_len - 1)
-    extra = torch.rand(counts.shape, device=counts.device) < (accept_len - 1 - whole)
+    fraction = accept_len - 1 - whole
+    extra = torch.floor((phases + 1) * fraction) - torch.floor(phases * fraction)
     num = torch.minimum(whole + extra.to(torch.int64), counts)
     steps = torch.arange(target_tokens.shape[1], device=counts.device)
     padded = torch.cat([drafts, drafts[:, :1]], dim=1)
