@@ -2,7 +2,8 @@
 
 On a GPU the host waits for the stream (everything queued so far) when it reads a device tensor
 (`.tolist()`, `.item()`, `bool()`, `.cpu()`), indexes one with a boolean mask (the result's length is
-read back), copies a host list with `torch.tensor(..., device=...)` (a pageable copy that synchronises the
+read back) or a Python list, assigns it a Python scalar (`t[i] = 0`: list and scalar are copied from pageable
+memory), copies a host list with `torch.tensor(..., device=...)` (a pageable copy that synchronises the
 stream) or waits for a `DeviceToHost` copy. On the CPU none of these waits, so a CPU run counts them instead:
 tensors the host made (`torch.tensor` without a device) and the copies `DeviceToHost.get` returns are host
 tensors, reading them costs nothing; every other read is counted by its call site. The model's forwards
@@ -89,8 +90,13 @@ class DeviceReads:
     def _indexing(self, original: Callable, kind: str) -> Callable:
         def index(tensor, key, *args):
             keys = key if isinstance(key, tuple) else (key,)
-            if any(isinstance(k, torch.Tensor) and k.dtype == torch.bool for k in keys) and not self.is_host(tensor):
-                self._record(kind)
+            if not self.is_host(tensor):
+                if any(isinstance(k, torch.Tensor) and k.dtype == torch.bool for k in keys):
+                    self._record(kind)
+                elif any(isinstance(k, list) for k in keys):  # copied from pageable memory, which waits
+                    self._record(f"{kind.split()[1]} by a list")
+                elif args and isinstance(args[0], (bool, int, float)):  # the same for the scalar
+                    self._record("scalar assign")
             self._paused += 1
             try:
                 return original(tensor, key, *args)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.forward.host_device import DeviceToHost, host_to_device
+from srt.forward.host_device import DeviceToHost, fill_at, host_to_device
 
 
 def test_host_to_device_splits_one_copy_into_the_lists() -> None:
@@ -21,6 +21,21 @@ def test_host_to_device_splits_one_copy_into_the_lists() -> None:
 def test_host_to_device_of_empty_lists() -> None:
     assert [t.tolist() for t in host_to_device([[], []], torch.device("cpu"))] == [[], []]
     assert host_to_device([], torch.device("cpu")) == []
+
+
+def test_host_to_device_of_floats_keeps_values_and_alignment() -> None:
+    tensors = host_to_device([[0.5], [1.0, -2.25, 3.0]], torch.device("cpu"), dtype=torch.float32)
+    assert [t.tolist() for t in tensors] == [[0.5], [1.0, -2.25, 3.0]]
+    assert all(t.dtype == torch.float32 and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def test_fill_at_sets_the_indexed_entries_only() -> None:
+    table = torch.arange(12).reshape(3, 4)
+    fill_at(table, (torch.tensor([0, 2]), torch.tensor([1, 3])), 0)
+    assert table.tolist() == [[0, 0, 2, 3], [4, 5, 6, 7], [8, 9, 10, 0]]
+    mask = torch.zeros(5, dtype=torch.bool)
+    fill_at(mask, (torch.tensor([1, 4]),), True)
+    assert mask.tolist() == [False, True, False, False, True]
 
 
 def test_device_to_host_keeps_the_values_of_when_it_started() -> None:

@@ -144,13 +144,15 @@ class ForwardBatch:
             )
         ]
         device = self.input_ids.device
-        index = torch.tensor(chosen, dtype=torch.int64, device=device)
+        # one pinned copy: YOCO takes the logits rows in the middle of a prefill's forward, where a plain
+        # torch.tensor(..., device="cuda") would make the host wait for the layers launched before it
+        index, extend_prefix_lens, extend_seq_lens = host_to_device([chosen, prefix_lens, counts], device)
         return dataclasses.replace(
             self,
             input_ids=self.input_ids[index],
             positions=self.positions[index],
-            extend_prefix_lens=torch.tensor(prefix_lens, dtype=self.extend_prefix_lens.dtype, device=device),
-            extend_seq_lens=torch.tensor(counts, dtype=self.extend_seq_lens.dtype, device=device),
+            extend_prefix_lens=extend_prefix_lens.to(self.extend_prefix_lens.dtype),
+            extend_seq_lens=extend_seq_lens.to(self.extend_seq_lens.dtype),
             out_cache_loc=self.out_cache_loc[index],
             logits_rows=torch.arange(len(chosen), dtype=torch.int64, device=device),
             extend_prefix_lens_cpu=prefix_lens,

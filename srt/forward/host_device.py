@@ -12,29 +12,40 @@ import array
 
 import torch
 
-ALIGN = 2  # int64 elements: each list starts 16-byte aligned in the shared buffer
+ALIGN_BYTES = 16  # each list starts 16-byte aligned in the shared buffer
+ARRAY_TYPECODES = {torch.int64: "q", torch.float32: "f"}
 
 
-def host_to_device(lists: list[list[int]], device: torch.device | str) -> list[torch.Tensor]:
-    """int64 tensors of `lists` on `device`, in one copy (views of one buffer).
+def host_to_device(
+    lists: list[list[int]] | list[list[float]], device: torch.device | str, dtype: torch.dtype = torch.int64
+) -> list[torch.Tensor]:
+    """`dtype` (int64 or float32) tensors of `lists` on `device`, in one copy (views of one buffer).
 
     Each view starts 16-byte aligned, as a tensor of its own would: Triton specialises kernels on the alignment
     of pointer arguments, and views at arbitrary offsets would compile new variants as batch sizes change.
     """
-    # an int64 array, not a list: torch.tensor(list) converts ~1 us per 20 values, which an 8k prompt's step
+    # an array, not a list: torch.tensor(list) converts ~1 us per 20 values, which an 8k prompt's step
     # (positions and ids, ~16k values) paid on the host while the GPU waited; the array converts 4x faster
-    starts, flat = [], array.array("q")
+    typecode = ARRAY_TYPECODES[dtype]
+    align = ALIGN_BYTES // dtype.itemsize
+    starts, flat = [], array.array(typecode)
     for values in lists:
-        flat.extend([0] * (-len(flat) % ALIGN))
+        flat.extend([0] * (-len(flat) % align))
         starts.append(len(flat))
         flat.extend(values)
     pinned = torch.device(device).type == "cuda"
-    host = torch.empty(len(flat), dtype=torch.int64, pin_memory=pinned)
+    host = torch.empty(len(flat), dtype=dtype, pin_memory=pinned)
     if flat:
-        host.copy_(torch.frombuffer(flat, dtype=torch.int64))
+        host.copy_(torch.frombuffer(flat, dtype=dtype))
     # the caching host allocator keeps the pinned block until the copy has run
     whole = host.to(device, non_blocking=pinned)
     return [whole[start : start + len(values)] for start, values in zip(starts, lists, strict=True)]
+
+
+def fill_at(tensor: torch.Tensor, indices: tuple[torch.Tensor, ...], value: float | bool) -> None:
+    """tensor[indices] = value without waiting for the device: `tensor[i] = 0` on a GPU copies the Python
+    scalar from pageable host memory, which waits for everything queued on the stream first."""
+    tensor.index_put_(indices, torch.full((), value, dtype=tensor.dtype, device=tensor.device))
 
 
 class DeviceToHost:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from srt.forward.host_device import host_to_device
+from srt.forward.host_device import fill_at, host_to_device
 from srt.managers.schedule_batch import Req
 from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.base_prefix_cache import PrefixCache
@@ -69,14 +69,14 @@ def free_kv(
     whole = len(given_back.rows)
     allocator.free_whole_and_swa(slots, whole)
     if whole:
-        table[row_index[:whole], position_index[:whole]] = 0
+        fill_at(table, (row_index[:whole], position_index[:whole]), 0)
     return slots[:whole]
 
 
 def release(req: Req, req_to_token_pool: ReqToTokenPool, cache: PrefixCache) -> None:
     """Hand the request's KV to the cache and free its row; afterwards it holds nothing."""
     row = req_to_token_pool.req_to_token[req.req_pool_idx]
-    cache.cache_finished(req.cache_tokens(req.kv_len), row[: req.kv_len].long(), req.prefix)
+    cache.cache_finished(req.cache_tokens(req.kv_len), row[: req.kv_len].long(), req.prefix, req.swa_freed_upto)
     req_to_token_pool.free(req.req_pool_idx)
     req.req_pool_idx, req.prefix, req.kv_len, req.swa_freed_upto = None, None, 0, 0
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from srt.forward.forward_batch import ForwardMode
+from srt.forward.host_device import host_to_device
 from srt.managers import request_kv
 from srt.managers.io_struct import FinishReason, ReqOutput, TokenizedGenerateReq
 from srt.managers.request_output import (
@@ -336,16 +337,23 @@ class Scheduler:
                 item.req.prompt_logprobs_done = True
         sampled_reqs = [item.req for item in sampled_items]
         verify = self.spec.launch_verify(verify_items, verify_rows, drafts, output) if verify_items else None
+        # decode samples every row (no index); otherwise a pinned copy of the rows: indexing a GPU tensor with a
+        # Python list copies the list from pageable memory, which waits for the device
+        every_row = sample_rows == list(range(len(logits)))
+        sample_index = None if every_row else host_to_device([sample_rows], logits.device)[0]
         if self.spec is not None and sampled_reqs:
-            # the next round drafts from the hidden state that sampled each request's newest token
-            for req, hidden in zip(sampled_reqs, output.hidden_states[sample_rows].unbind(), strict=True):
+            # the next round drafts from the hidden state that sampled each request's newest token: a copy, not a
+            # view of a CUDA graph's output buffer (the next replay writes there)
+            hidden_states = output.hidden_states
+            rows = hidden_states[: len(sample_rows)].clone() if every_row else hidden_states[sample_index]
+            for req, hidden in zip(sampled_reqs, rows.unbind(), strict=True):
                 req.draft_hidden = hidden
         sampled = None
         if sampled_items:
             greedy_ids = output.greedy_ids
-            if sample_rows != list(range(len(logits))):  # decode samples every row: no [rows, vocab] copy then
-                logits = logits[sample_rows]
-                greedy_ids = None if greedy_ids is None else greedy_ids[sample_rows]
+            if not every_row:  # no [rows, vocab] copy when every row samples
+                logits = logits[sample_index]
+                greedy_ids = None if greedy_ids is None else greedy_ids[sample_index]
             sampled = self._sample(sampled_reqs, logits, greedy_ids)
         if verify is not None:
             self.spec.draft_ahead(verify)  # last: its graph may reuse the memory of this step's outputs

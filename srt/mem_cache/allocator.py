@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from srt import envs
+from srt.forward.host_device import fill_at
 
 
 class OutOfSlotsError(RuntimeError):
@@ -83,9 +84,15 @@ class SWATokenAllocator:
         self.full_to_swa[full_slots] = self.swa.alloc(count)
         return full_slots
 
-    def free(self, full_slots: torch.Tensor) -> None:
-        """Free tokens entirely: their full slots and whatever SWA slots they still hold."""
-        self.free_swa(full_slots)
+    def free(self, full_slots: torch.Tensor, swa_from: int | None = None) -> None:
+        """Free tokens entirely: their full slots and whatever SWA slots they still hold.
+
+        `swa_from`: the caller knows that full_slots[:swa_from] hold no SWA slot and the rest all hold one (a
+        request's own tokens and its `swa_freed_upto`), so no mask is read back (`free_swa`)."""
+        if swa_from is None:
+            self.free_swa(full_slots)
+        else:
+            self.free_swa(full_slots[swa_from:], all_hold_swa=True)
         self.full.free(full_slots)
 
     def free_whole_and_swa(self, full_slots: torch.Tensor, num_whole: int) -> None:
@@ -111,7 +118,7 @@ class SWATokenAllocator:
         elif debug_kv_indices() and not bool((swa_slots != 0).all()):
             raise AssertionError("a token freed as holding an SWA slot holds none")
         self.swa.free(swa_slots)
-        self.full_to_swa[full_slots] = 0
+        fill_at(self.full_to_swa, (full_slots,), 0)
 
     def translate(self, full_slots: torch.Tensor) -> torch.Tensor:
         """SWA slots of the given tokens (0, the padding slot, where freed)."""

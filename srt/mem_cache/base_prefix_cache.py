@@ -134,8 +134,11 @@ class PrefixCache(ABC):
         row[:prefix_len] and keeps the result for the next call.
         """
 
-    def cache_finished(self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult) -> None:
-        """Cache a request that finished (or was aborted / retracted) and drop its lock."""
+    def cache_finished(
+        self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult, swa_from: int | None = None
+    ) -> None:
+        """Cache a request that finished (or was aborted / retracted) and drop its lock. `swa_from`: where the
+        request's tokens that still hold SWA slots start (`Req.swa_freed_upto`), for a cache that frees them."""
         already_cached = self.insert(token_ids, slots)
         self._free_duplicates(slots, match.prefix_len, already_cached)
         self.unlock(match.node)

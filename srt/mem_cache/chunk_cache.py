@@ -43,6 +43,21 @@ class ChunkCache(PrefixCache):
         self.allocator.free(slots.to(torch.int64))
         return 0
 
+    def cache_finished(
+        self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult, swa_from: int | None = None
+    ) -> None:
+        """Every slot is freed. With `swa_from` the sliding-window pool's share is known (tokens from there on
+        hold a slot, those before hold none): the allocator frees it without reading a mask back, which on a
+        GPU would wait for the step launched after the request's last one (the overlap schedule)."""
+        if len(token_ids) != len(slots):
+            raise ValueError(f"{len(token_ids)} tokens but {len(slots)} slots")
+        slots = slots.to(torch.int64)
+        if isinstance(self.allocator, SWATokenAllocator) and swa_from is not None:
+            self.allocator.free(slots, swa_from)
+        else:
+            self.allocator.free(slots)
+        self.unlock(match.node)
+
     def lock(self, node: CacheHandle) -> None:
         self._check_root(node)
         self._locks += 1

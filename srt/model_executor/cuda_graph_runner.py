@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from srt.forward.forward_batch import ForwardBatch, ForwardMode
+from srt.forward.host_device import host_to_device
 from srt.layers.attention.base import AttentionBackend
 from srt.layers.logits_processor import LogitsOutput
 from srt.mem_cache.kv_pool import HybridKVPool
@@ -159,7 +160,7 @@ class SharedLayerGraphs(OneRowPerRequestSteps):
         with_rows = [i for i, n in enumerate(batch.extend_seq_lens_cpu) if n]
         req_pool_indices, seq_lens = batch.req_pool_indices, batch.seq_lens
         if len(with_rows) < batch.batch_size:  # requests whose chunk needs no logits have no row here
-            index = torch.tensor(with_rows, dtype=torch.int64, device=seq_lens.device)
+            (index,) = host_to_device([with_rows], seq_lens.device)  # pinned: no wait for the device
             req_pool_indices, seq_lens = req_pool_indices[index], seq_lens[index]
         values = {
             "hidden": hidden,

@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from srt.forward.host_device import fill_at, host_to_device
 from srt.sampling.sampling_params import SamplingParams
 
 
@@ -120,27 +121,38 @@ class SamplingBatch:
             {(row, tok) for row, p in enumerate(params) if p.min_new_tokens > 0 for tok in _ban_ids(p, eos_token_ids)}
         )
 
-        def floats(values: list[float], column: bool = False) -> torch.Tensor:
-            t = torch.tensor(values, dtype=torch.float32, device=device)
-            return t[:, None] if column else t
-
-        def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
+        # two pinned copies (floats, ints): a torch.tensor(..., device="cuda") per field would wait for the
+        # device each time, and a sampler is built whenever a batch's requests change
+        temperatures, top_ps_t, min_ps_t, repetition, frequency, presence = host_to_device(
+            [
+                temps,
+                top_ps,
+                min_ps,
+                [float(p.repetition_penalty) for p in params],
+                [float(p.frequency_penalty) for p in params],
+                [float(p.presence_penalty) for p in params],
+            ],
+            device,
+            dtype=torch.float32,
+        )
+        top_ks_t, min_new_tokens, is_greedy, ban_rows, ban_ids = host_to_device(
+            [top_ks, [p.min_new_tokens for p in params], greedy, [row for row, _ in ban], [tok for _, tok in ban]],
+            device,
+        )
         return cls(
             vocab_size=vocab_size,
             device=device,
-            temperatures=floats(temps, column=True),
-            top_ks=ints(top_ks),
-            top_ps=floats(top_ps),
-            min_ps=floats(min_ps),
-            repetition_penalties=floats([float(p.repetition_penalty) for p in params], column=True),
-            frequency_penalties=floats([float(p.frequency_penalty) for p in params], column=True),
-            presence_penalties=floats([float(p.presence_penalty) for p in params], column=True),
-            min_new_tokens=ints([p.min_new_tokens for p in params]),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            ban_rows=ints([row for row, _ in ban]),
-            ban_ids=ints([tok for _, tok in ban]),
+            temperatures=temperatures[:, None],
+            top_ks=top_ks_t,
+            top_ps=top_ps_t,
+            min_ps=min_ps_t,
+            repetition_penalties=repetition[:, None],
+            frequency_penalties=frequency[:, None],
+            presence_penalties=presence[:, None],
+            min_new_tokens=min_new_tokens,
+            is_greedy=is_greedy.bool(),
+            ban_rows=ban_rows,
+            ban_ids=ban_ids,
             generators=gens,
             default_generator=default_generator,
             any_greedy=any(greedy),
@@ -189,8 +201,8 @@ class PenaltyState:
         if batch.use_repetition:
             seen = torch.zeros(shape, dtype=torch.bool, device=device)
             rows, ids = _flatten([[*p, *o] for p, o in zip(prompt_ids, output_ids, strict=True)], device)
-            seen[rows, ids] = True
-        lens = torch.tensor([len(o) for o in output_ids], dtype=torch.int64, device=device)
+            fill_at(seen, (rows, ids), True)
+        (lens,) = host_to_device([[len(o) for o in output_ids]], device)
         return cls(output_lens=lens, output_token_counts=counts, seen_mask=seen)
 
     def record(self, next_token_ids: torch.Tensor) -> None:
@@ -206,7 +218,8 @@ class PenaltyState:
 def _flatten(ids: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     rows = [row for row, seq in enumerate(ids) for _ in seq]
     flat = [tok for seq in ids for tok in seq]
-    return (torch.tensor(rows, dtype=torch.int64, device=device), torch.tensor(flat, dtype=torch.int64, device=device))
+    rows_tensor, flat_tensor = host_to_device([rows, flat], device)
+    return rows_tensor, flat_tensor
 
 
 def sample(

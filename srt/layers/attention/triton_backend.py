@@ -103,7 +103,7 @@ class TritonAttentionBackend(AttentionBackend):
         if last_visible is None and batch.extend_seq_lens_cpu and max(batch.extend_seq_lens_cpu) <= 1:
             # at most one row per request (host lists, no read-back): the split-KV kernel, one row each
             rows_of = [i for i, n in enumerate(batch.extend_seq_lens_cpu) if n]
-            index = torch.tensor(rows_of, dtype=torch.int64, device=batch.seq_lens.device)
+            (index,) = host_to_device([rows_of], batch.seq_lens.device)  # pinned: no wait for the device
             batch.attn_metadata = _decode_rows(batch, index, batch.positions)
             return
         meta = TritonAttentionMetadata(
