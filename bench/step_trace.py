@@ -5,9 +5,10 @@
 
 The trace is cut into bursts of work (no event for --idle seconds between them: one benchmark run each).
 Per burst it prints the steps by kind (prompt steps: steps that carry prompt tokens; decode steps) with their
-wall time (launch to the host's read of the tokens; an overlapped decode step's read comes one step later,
-so their figure is per step: the burst's decode time / steps), the host's gap between one step's read and
-the next launch (and its stretches between the trace's `mark` points), and per request where the time to its
+wall time (launch to the host's read of the tokens, or from the read of the step before where the step was
+launched before that read, as the overlap schedule does; decode steps: the burst's decode time / steps), the
+host's gap between a prompt step's read and the next launch where no step was in flight (and the host's
+stretches between the trace's `mark` points after each prompt step's read), and per request where the time to its
 first token went in the scheduler: queued (arrival to the launch of its first prompt chunk) and computed (that
 launch to the read of its first token).
 """
@@ -70,8 +71,8 @@ def summarize(events: list[dict]) -> dict[str, list[float]]:
         elif kind == "finish" and launches:
             launch = launches.popleft()
             step_kind = "prompt" if launch["prompt_tokens"] else "decode"
-            if step_kind == "prompt":
-                out["prompt step"].append(event["t"] - launch["t"])
+            if step_kind == "prompt":  # launched before the read of the step before it: from that read
+                out["prompt step"].append(event["t"] - max(launch["t"], last_finish or launch["t"]))
             else:
                 decode_steps += 1
                 decode_time += event["t"] - (last_finish if last_finish is not None else launch["t"])

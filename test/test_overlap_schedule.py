@@ -1,7 +1,8 @@
-"""The overlap schedule (a decode step launched before the host reads the step before it) changes no output:
-the same tokens, logprobs and finish reasons as the serial schedule, with requests finishing at different
-steps, arriving mid-decode, aborted while a step is in flight, and with penalties (recorded on the device, so
-the overlap keeps running).
+"""The overlap schedule (a step launched before the host reads the step before it) changes no output: the
+same tokens, logprobs and finish reasons as the serial schedule, with requests finishing at different steps,
+arriving mid-decode (their prompt chunks continue the overlap beside the decoding requests), chunked, scored
+(max_new_tokens 0), aborted while a step is in flight, and with penalties (recorded on the device, so the
+overlap keeps running while the same requests sample).
 Also: the server's start-up warm-up leaves the pools as it found them.
 """
 
@@ -16,11 +17,13 @@ from srt.managers.inprocess import GenerationResult
 from srt.managers.io_struct import TokenizedGenerateReq
 from srt.managers.scheduler import Scheduler
 from srt.managers.scheduler_process import warm_up
+from srt.sampling.batch_sampler import BatchSampler
 from srt.sampling.sampling_params import SamplingParams
 
 
 def request(rid: int, ids: list[int], **params) -> TokenizedGenerateReq:
-    kwargs = {key: params.pop(key) for key in ("return_logprob", "top_logprobs_num") if key in params}
+    request_keys = ("return_logprob", "top_logprobs_num", "logprob_start_len")
+    kwargs = {key: params.pop(key) for key in request_keys if key in params}
     sampling = SamplingParams(**({"temperature": 0.0, "ignore_eos": True} | params))
     return TokenizedGenerateReq(rid=str(rid), input_ids=ids, sampling_params=sampling, **kwargs)
 
@@ -50,16 +53,18 @@ def drive(
 
 
 def count_continued(scheduler: Scheduler) -> list[int]:
-    """[decode steps launched before the previous step's tokens were read] (updated as the scheduler runs)."""
-    continued = [0]
-    original = scheduler._continued_decode
+    """[steps launched before the previous step's tokens were read, of them with prompt tokens] (updated as the
+    scheduler runs)."""
+    continued = [0, 0]
+    original = scheduler._continued
 
     def spy(previous):
-        batch = original(previous)
-        continued[0] += batch is not None
-        return batch
+        launch = original(previous)
+        continued[0] += launch is not None
+        continued[1] += launch is not None and any(not item.decode for item in launch[0].items)
+        return launch
 
-    scheduler._continued_decode = spy
+    scheduler._continued = spy
     return continued
 
 
@@ -98,8 +103,78 @@ def test_overlap_gives_the_serial_outputs(tiny_checkpoint) -> None:
     overlapped = make_scheduler(path)
     continued = count_continued(overlapped)
     assert_same_results(drive(overlapped, mixed_arrivals()), expected)
-    assert continued[0] >= 5  # the overlap did run
+    assert continued[0] >= 5 and continued[1] >= 2  # the overlap did run, prompt steps included
     assert_idle_and_consistent(overlapped)
+
+
+@pytest.mark.parametrize("radix", [True, False])
+def test_prompt_chunks_continue_the_overlap_with_the_serial_outputs(tiny_checkpoint, radix: bool) -> None:
+    """Long prompts arrive while others decode and are prefilled in chunks, each chunk launched before the host
+    read the step before it; a scored request (max_new_tokens 0, prompt logprobs over chunks) and a shared
+    prefix (a cache hit, or not) among them. Every step but the first of each burst continues the overlap."""
+    path = tiny_checkpoint(PRESET)
+    ids = prompts(6, seed=21, low=40, high=90)
+    shared = ids[0][:30] + ids[5]
+
+    def arrivals() -> dict[int, list[TokenizedGenerateReq]]:
+        return {
+            0: [request(0, ids[0], max_new_tokens=14), request(1, ids[1], max_new_tokens=5)],
+            3: [request(2, ids[2], max_new_tokens=6, temperature=0.9, seed=3), request(3, shared, max_new_tokens=4)],
+            4: [request(4, ids[4], max_new_tokens=0, return_logprob=True, logprob_start_len=0)],
+            6: [request(5, ids[3], max_new_tokens=9, return_logprob=True, top_logprobs_num=2)],
+        }
+
+    overrides = {"chunked_prefill_size": 32, "disable_radix_cache": not radix}
+    serial = make_scheduler(path, disable_overlap_schedule=True, **overrides)
+    expected = drive(serial, arrivals())
+    assert_idle_and_consistent(serial)
+    scheduler = make_scheduler(path, **overrides)
+    continued = count_continued(scheduler)
+    got = drive(scheduler, arrivals())
+    assert_same_results(got, expected)
+    for rid in got:
+        assert [t.logprob for t in got[rid].input_logprobs] == pytest.approx(
+            [t.logprob for t in expected[rid].input_logprobs], abs=1e-4
+        )
+    assert continued[1] >= 6  # chunks of every prompt were launched ahead
+    assert_idle_and_consistent(scheduler)
+
+
+def test_penalties_with_a_new_arrival_wait_for_the_host_and_keep_the_serial_outputs(
+    tiny_checkpoint, monkeypatch
+) -> None:
+    """A request with penalties decoding when another arrives: the sampler is rebuilt from the host's token
+    history, so that step waits for the host to read the one before it."""
+    path = tiny_checkpoint(PRESET)
+    ids = prompts(4, seed=22)
+
+    def arrivals() -> dict[int, list[TokenizedGenerateReq]]:
+        # strong penalties: a history one token short would let that token come again at once
+        penalised = {"frequency_penalty": 2.0, "presence_penalty": 2.0, "repetition_penalty": 2.0}
+        return {
+            0: [request(0, ids[0], max_new_tokens=16, **penalised), request(1, ids[1], max_new_tokens=16)],
+            3: [request(2, ids[2], max_new_tokens=6)],
+            6: [request(3, ids[3], max_new_tokens=6, min_new_tokens=3)],
+        }
+
+    expected = drive(make_scheduler(path, disable_overlap_schedule=True), arrivals())
+    scheduler = make_scheduler(path)
+    histories = []  # (tokens on the host, tokens computed) of the penalised requests at each sampler build
+    build = BatchSampler.build.__func__
+
+    def checked_build(cls, requests, **kwargs):
+        owners = {id(req.output_ids): req for req in scheduler.running}
+        for sampling in requests:
+            if sampling.params.uses_token_history:
+                req = owners[id(sampling.output_ids)]
+                histories.append((len(req.prompt_ids) + len(req.output_ids), req.kv_len))
+        return build(cls, requests, **kwargs)
+
+    monkeypatch.setattr(BatchSampler, "build", classmethod(checked_build))
+    assert_same_results(drive(scheduler, arrivals()), expected)
+    # random weights seldom let a missing token change the outputs: the history itself must be whole
+    assert histories and all(known == computed for known, computed in histories)
+    assert_idle_and_consistent(scheduler)
 
 
 def test_a_stop_token_ends_a_request_one_step_early_with_the_serial_output(tiny_checkpoint) -> None:

@@ -111,6 +111,7 @@ class ScheduledReq:
     prompt_logprob_rows: range = range(0)  # positions whose logits score the next prompt token
     decode: bool = False  # a decoding request's one token (its window is freed, nothing goes to the cache)
     num_drafts: int = 0  # a verify item: the newest token, then this many drafts; every row is a logits row
+    completes: bool = True  # False for a prompt chunk before the last: the request cannot finish after it
 
 
 @dataclass
@@ -124,23 +125,27 @@ class ScheduleBatch:
         self, out_cache_loc: torch.Tensor, req_to_token_pool, kv_pool, input_ids: torch.Tensor | None = None
     ) -> ForwardBatch:
         """Lay out the ForwardBatch; `logits_rows` lists, per request in order, prompt-logprob rows then its
-        sampling row (a verify item: all its rows). `input_ids`: a decode batch's new tokens on the device, when
-        the host has not read them yet (the overlap schedule). Drafts are 0 here: `fill_drafts` puts them in."""
+        sampling row (a verify item: all its rows). `input_ids`: the newest tokens of the first items (decode
+        items, one row each) on the device, when the host has not read them yet (the overlap schedule). Drafts
+        are 0 here: `fill_drafts` puts them in."""
+        unread = 0 if input_ids is None else len(input_ids)
         new_tokens, prefix_lens, rows, logits_rows = [], [], [], []
         start = 0
-        for item in self.items:
+        for index, item in enumerate(self.items):
             req = item.req
             known = item.num_tokens - item.num_drafts
-            new_tokens.append(req.tokens(req.kv_len, req.kv_len + known) + [0] * item.num_drafts)
+            ids = [0] if index < unread else req.tokens(req.kv_len, req.kv_len + known)
+            new_tokens.append(ids + [0] * item.num_drafts)
             prefix_lens.append(req.kv_len)
             rows.append(req.req_pool_idx)
             logits_rows.extend(start + pos - req.kv_len for pos in item.prompt_logprob_rows)
             if item.sample:
                 logits_rows.extend(range(start + known - 1, start + item.num_tokens))
             start += item.num_tokens
+        every_row_unread = unread == len(self.items) and all(item.num_tokens == 1 for item in self.items)
         batch = ForwardBatch.build(
             mode=self.mode,
-            new_token_ids=new_tokens if input_ids is None else input_ids,
+            new_token_ids=input_ids if every_row_unread else new_tokens,
             prefix_lens=prefix_lens,
             req_pool_indices=rows,
             out_cache_loc=out_cache_loc,
@@ -148,6 +153,8 @@ class ScheduleBatch:
             req_to_token_pool=req_to_token_pool,
             kv_pool=kv_pool,
         )
+        if unread and not every_row_unread:
+            batch.input_ids[:unread] = input_ids  # the decode items lead, one row each
         # a verify step (decode rows, some with drafts): a few rows per request, each attending alone
         batch.attend_row_by_row = all(item.decode for item in self.items) and any(i.num_drafts for i in self.items)
         items = self.items

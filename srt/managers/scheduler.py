@@ -6,9 +6,10 @@ or, with no prompt work, a decode step -> run the model -> sample -> update requ
 decoding request so waits at most one step for its next token while prompts are prefilled. When memory runs
 short it evicts unlocked prefix-cache entries, then retracts decode requests back to the waiting queue.
 
-Overlap schedule (default; --disable-overlap-schedule turns it off). While the same requests keep decoding
-and nothing waits, step n + 1 is launched with step n's sampled tokens as its input ids, on the device,
-before the host reads step n's tokens; the host's bookkeeping runs while the GPU computes:
+Overlap schedule (default; --disable-overlap-schedule turns it off). Step n + 1 is launched before the host
+reads step n's tokens: every request step n sampled takes that token as its input id, on the device, and the
+rest of the step (prompt chunks, new admissions) is scheduled from what the host knows; the host's
+bookkeeping runs while the GPU computes, after decode and prompt steps alike:
 
     host:  launch n+1 | read n, stop checks, report | launch n+2 | read n+1, ...
     GPU:   ... step n ][ step n+1 ......................][ step n+2 ......
@@ -16,8 +17,11 @@ before the host reads step n's tokens; the host's bookkeeping runs while the GPU
 A request that finished at step n has run in step n + 1 too: that token is dropped, and the KV it wrote
 (of the request's last token, valid) goes to the cache with the rest when the request is released. Steps
 run in stream order, so KV freed on the host while a step still runs is only reused by later steps.
-Anything else (a new request, an abort, a short pool) first finishes the step in flight. Penalties do not:
-the sampler records each step's tokens on the device (`sampling/batch_sampler.py`).
+What needs step n's tokens on the host first finishes the step in flight: a verify round, a grammar, a pool
+too short without retraction, a request that sampled nothing, and penalties (or min_new_tokens) when the
+sampled requests change (a new sampler builds its history from the host; the same requests keep theirs,
+recorded on the device: `sampling/batch_sampler.py`). Prompt KV goes to the cache one step late, with the
+next chunk's KV (queued, written before any later step reads it) in it.
 
 Speculative decoding (FROZEN_KV_MTP). A decoding request that speculates runs as a verify item: the assistant
 drafts k tokens for it before the step, and the step computes its newest token and the drafts (k + 1 rows,
@@ -104,7 +108,7 @@ class Scheduler:
         # the sampler of the last sampled requests, kept while the same requests decode
         self._sampler: tuple[list[Req], BatchSampler] | None = None
         self.overlap = not server_args.disable_overlap_schedule
-        self._in_flight: _Launched | None = None  # a decode step launched, its tokens not read yet
+        self._in_flight: _Launched | None = None  # a step launched, its tokens not read yet
         vocab = self.runner.model_config.vocab_size
         self.grammars = GrammarMatchers(lambda: load_grammar_vocab(server_args, vocab, sorted(self.eos_ids)))
 
@@ -154,14 +158,14 @@ class Scheduler:
         """Run one forward (prompt chunks with the decoding requests' tokens if anything can be admitted, else
         decode); report what changed.
 
-        Under the overlap schedule a decode step is reported by the next call, which launches the step after
-        it first when it can (module docstring).
+        Under the overlap schedule a step is reported by the next call, which launches the step after it
+        first when it can (module docstring).
         """
         if self._in_flight is not None:
             previous, self._in_flight = self._in_flight, None
-            batch = self._continued_decode(previous)
-            if batch is not None:
-                self._in_flight = self._launch(batch, previous.sampled.next_ids)
+            continued = self._continued(previous)
+            if continued is not None:
+                self._in_flight = self._launch(*continued)
             return self._finish(previous)
         batch = self._schedule_prefill() or self._schedule_decode()
         if batch is None and self.has_work():
@@ -172,7 +176,7 @@ class Scheduler:
         if batch is None:
             return []
         launched = self._launch(batch)
-        if self.overlap and batch.mode == ForwardMode.DECODE:
+        if self.overlap and launched.verify is None:
             self._in_flight = launched
             return []
         return self._finish(launched)
@@ -193,13 +197,20 @@ class Scheduler:
         logger.warning("request %s: %s", stuck.rid, message)
         return collect_output(stuck)
 
-    def _schedule_prefill(self) -> ScheduleBatch | None:
-        """Prompt chunks under the budgets and, mixed in first, one token of every decoding request."""
+    def _schedule_prefill(self, unread: list[Req] | None = None) -> ScheduleBatch | None:
+        """Prompt chunks under the budgets and, mixed in first, one token of every decoding request.
+
+        `unread`: the decoding requests of a continued step (`_continued`), whose newest tokens the host has
+        not read yet; every other running request then has prompt tokens left."""
         self.trace.mark("schedule")
-        chunked = [req for req in self.running if req.to_compute > 1]  # at most one: a prefill in progress
+        if unread is None:
+            chunked = [req for req in self.running if req.to_compute > 1]  # at most one: a prefill in progress
+            decoding = [] if self.args.disable_mixed_batches else [r for r in self.running if r.to_compute == 1]
+        else:
+            unread_ids = {id(req) for req in unread}
+            chunked, decoding = [req for req in self.running if id(req) not in unread_ids], unread
         if not chunked and not self.waiting:
             return None  # no prompt work: a decode step
-        decoding = [] if self.args.disable_mixed_batches else [req for req in self.running if req.to_compute == 1]
         decode_items = [self._decode_item(req) for req in decoding]
         self._draft_tokens = sum(item.num_drafts for item in decode_items)
         chunk = self.args.chunked_prefill_size or self.runner.context_len
@@ -266,7 +277,7 @@ class Scheduler:
             first = max(req.prompt_logprob_first_row(), req.kv_len)
             rows = range(first, max(first, min(len(req.prompt_ids) - 1, req.kv_len + num)))
         sample = completes and len(req.output_ids) < req.params.sampling_params.max_new_tokens
-        return ScheduledReq(req, num, sample, rows)
+        return ScheduledReq(req, num, sample, rows, completes=completes)
 
     def _decode_item(self, req: Req) -> ScheduledReq:
         """A decoding request's share of a step: its newest token, and drafts to verify when it speculates."""
@@ -274,19 +285,45 @@ class Scheduler:
             return self.spec.decode_item(req)
         return ScheduledReq(req, 1, True, decode=True)
 
-    def _continued_decode(self, previous: _Launched) -> ScheduleBatch | None:
-        """The decode step after `previous`, launched before its tokens are read; None when anything changed."""
-        reqs = previous.sampled_reqs
-        if previous.batch.mode != ForwardMode.DECODE or self.waiting:
-            return None
-        if len(reqs) != len(self.running) or any(a is not b for a, b in zip(reqs, self.running, strict=True)):
-            return None  # a request was aborted
-        if any(req.grammar is not None for req in reqs):
+    def _continued(self, previous: _Launched) -> tuple[ScheduleBatch, torch.Tensor | None] | None:
+        """The step after `previous`, launched before its tokens are read, and the input ids of its leading
+        decode items (those tokens, on the device): one token for every request `previous` sampled, then prompt
+        chunks under the budgets as `_schedule_prefill` takes them. None when the host must read first."""
+        if previous.verify is not None:
+            return None  # the next round needs the accepted counts
+        sampled = previous.sampled_reqs
+        live = [i for i, req in enumerate(sampled) if req.req_pool_idx is not None and not req.finished]
+        decoding = [sampled[i] for i in live]
+        decoding_ids = {id(req) for req in decoding}
+        prompts = [req for req in self.running if id(req) not in decoding_ids]
+        if len(decoding) + len(prompts) != len(self.running) or any(req.to_compute < 1 for req in prompts):
+            return None  # a request that sampled nothing (max_new_tokens 0) finishes first
+        if any(req.grammar is not None for req in self.running):
             return None  # a grammar's next mask needs the step's tokens on the host
-        items = [self._decode_item(req) for req in reqs]
-        if any(item.num_drafts for item in items) or not self._make_room(len(reqs)):
-            return None  # a verify step needs the tokens read; retraction decides with every token read
-        return ScheduleBatch(ForwardMode.DECODE, items)
+        changes = len(live) < len(sampled) or prompts or self.waiting
+        if changes and any(req.params.sampling_params.uses_token_history for req in decoding):
+            return None  # a new sampler would build its token history from the host, a token behind
+        items = [self._decode_item(req) for req in decoding]
+        if any(item.num_drafts for item in items):
+            return None  # drafting reads the newest tokens on the host
+        ids = None
+        if previous.sampled is not None and decoding:
+            ids = previous.sampled.next_ids
+            if len(live) < len(sampled):  # drop the rows of requests finished since
+                ids = ids[host_to_device([live], ids.device)[0]]
+        if prompts or self.waiting:
+            if self.args.disable_mixed_batches:
+                return None  # a prompt step without the decoding requests, scheduled once they are read
+            batch = self._schedule_prefill(decoding)
+            if batch is not None:
+                return batch, ids
+            if prompts:
+                return None  # the prompt's next chunk did not fit: room is made with every token read
+        if not decoding:
+            return None
+        if not self._make_room(len(decoding)):
+            return None  # retraction decides with every token read
+        return ScheduleBatch(ForwardMode.DECODE, items), ids
 
     def _schedule_decode(self) -> ScheduleBatch | None:
         items = [self._decode_item(req) for req in self.running if req.to_compute == 1]
@@ -372,7 +409,8 @@ class Scheduler:
             req = item.req
             if req.req_pool_idx is None:
                 continue  # released while the step ran: aborted, or finished by the step before
-            if not req.finished and not item.num_drafts:  # a verify item's tokens were checked as appended
+            # a verify item's tokens were checked as appended; an earlier chunk's kv_len may count the next one's
+            if not req.finished and not item.num_drafts and item.completes:
                 req.finished_reason = finish_check(req, self.eos_ids, self.runner.context_len)
             if req.finished:
                 self.running.remove(req)

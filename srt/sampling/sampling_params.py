@@ -73,6 +73,12 @@ class SamplingParams:
         return None
 
     @property
+    def uses_token_history(self) -> bool:
+        """Whether sampling depends on the tokens generated so far (penalties, min_new_tokens)."""
+        penalties = (self.repetition_penalty, self.frequency_penalty, self.presence_penalty) != (1.0, 0.0, 0.0)
+        return penalties or self.min_new_tokens > 0
+
+    @property
     def is_greedy(self) -> bool:
         """Whether the request always takes the most likely token (temperature 0 or top_k 1)."""
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
