@@ -70,6 +70,9 @@ class PrefixCache(ABC):
     """A cache of KV for token prefixes, sharing full-pool slots between requests."""
 
     allocator: TokenSlotAllocator | SWATokenAllocator
+    # whether caching a prompt's KV (`cache_unfinished`) reads the device (a tree reads which slots still hold
+    # SWA KV): it then waits for any step in flight, so the scheduler reads a prompt step before launching more
+    caching_reads_device: bool = True
 
     @abstractmethod
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:

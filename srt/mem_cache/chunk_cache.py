@@ -26,6 +26,8 @@ from srt.mem_cache.base_prefix_cache import (
 class ChunkCache(PrefixCache):
     """A prefix cache that caches nothing; its only handle is an empty root every request locks."""
 
+    caching_reads_device = False
+
     def __init__(self, allocator: TokenSlotAllocator | SWATokenAllocator) -> None:
         self.allocator = allocator
         self._full = full_pool_of(allocator)
