@@ -79,6 +79,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--repeats", type=int, default=3, help="Prefills per setting in --yoco-ab (median kept).")
     parser.add_argument("--baseline", choices=["transformers"], help=BASELINE_HELP)
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        help="With --speculative-draft-model-path: after the timed runs, profile a short decode of the first batch "
+        "size, plain and with MTP, into TRACE-plain.json and TRACE-mtp.json (bench/kernel_timeline.py reads them).",
+    )
     return parser.parse_args()
 
 
@@ -339,7 +345,7 @@ def main() -> None:
                 f" max |logit diff| {row['max_logit_diff']:.2e}, same greedy token: {row['same_greedy_token']}"
             )
     elif server_args.speculative_algorithm:
-        output = run_mtp_latency(server_args, args.batch_size, args.input_len, args.output_len)
+        output = run_mtp_latency(server_args, args.batch_size, args.input_len, args.output_len, args.trace)
         print_mtp(output)
     else:
         output = run_latency_mode(server_args, args)

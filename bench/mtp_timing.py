@@ -17,14 +17,18 @@ import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from srt.managers.io_struct import TokenizedGenerateReq
 from srt.managers.scheduler import Scheduler
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
+
+TRACE_TOKENS = 24  # per request in a --trace run: a few verify rounds after the prefill
 
 
 class CallTimer:
@@ -71,7 +75,9 @@ def decode_run(scheduler: Scheduler, prompts: list[list[int]], output_len: int, 
     return time.perf_counter() - start
 
 
-def run_mtp_latency(server_args: ServerArgs, batch_sizes: list[int], input_len: int, output_len: int) -> dict:
+def run_mtp_latency(
+    server_args: ServerArgs, batch_sizes: list[int], input_len: int, output_len: int, trace: Path | None = None
+) -> dict:
     scheduler = Scheduler(server_args)
     runner, spec = scheduler.runner, scheduler.spec
     rows = spec.num_steps + 1
@@ -115,6 +121,14 @@ def run_mtp_latency(server_args: ServerArgs, batch_sizes: list[int], input_len: 
             row["ideal_speedup"] = row["accept_length"] * row["decode_step_ms"] / round_ms
         results.append(row)
         scheduler.check_integrity()
+    if trace is not None:
+        prompts = torch.randint(3, runner.model_config.vocab_size, (batch_sizes[0], input_len), generator=generator)
+        for mode in ("plain", "mtp"):
+            scheduler.spec = spec if mode == "mtp" else None
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                decode_run(scheduler, prompts.tolist(), TRACE_TOKENS, f"trace-{mode}")
+            prof.export_chrome_trace(str(trace.with_name(f"{trace.stem}-{mode}.json")))
+        scheduler.spec = spec
     return {"device": str(runner.device), "num_steps": spec.num_steps, "mtp": results}
 
 
