@@ -9,13 +9,18 @@ unfinished request, finish, abort without caching, evict.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from unittest import mock
 
 import hypothesis.strategies as st
 import torch
 from hypothesis import HealthCheck, event, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from srt import envs
 from srt.mem_cache.allocator import SWATokenAllocator, TokenSlotAllocator
 from srt.mem_cache.base_prefix_cache import MatchResult
 from srt.mem_cache.chunk_cache import ChunkCache
@@ -50,6 +55,17 @@ def tree_contents(cache: RadixCache | ChunkCache) -> dict[tuple[int, ...], int]:
             out[prefix] = slot
         stack.extend((prefix, child) for child in node.children.values())
     return out
+
+
+@contextmanager
+def host_known_swa(data: st.DataObject) -> Iterator[Callable[[Req], int | None]]:
+    """Either way of caching a request: reading which of its slots hold SWA KV back from the pool, or told it
+    by the request's freed_upto (as the scheduler does), then checked against the pool (SRT_DEBUG_KV_INDICES)."""
+    if not data.draw(st.booleans(), label="SWA from the host"):
+        yield lambda req: None
+        return
+    with mock.patch.dict(os.environ, {envs.SRT_DEBUG_KV_INDICES.name: "1"}):
+        yield lambda req: req.freed_upto
 
 
 class CacheMachine(RuleBasedStateMachine):
@@ -152,7 +168,8 @@ class CacheMachine(RuleBasedStateMachine):
         req = data.draw(st.sampled_from(self.reqs))
         row = self.pool.req_to_token[req.row, : req.kv_len].to(torch.int64).clone()
         expected = self.expected_tree(req, row)
-        req.match = self.cache.cache_unfinished(req.tokens[: req.kv_len], row, req.match)
+        with host_known_swa(data) as swa_from:
+            req.match = self.cache.cache_unfinished(req.tokens[: req.kv_len], row, req.match, swa_from(req))
         self.pool.write(req.row, 0, req.match.slots)  # row[:prefix_len] now holds the cache's own slots
         req.freed_upto = max(req.freed_upto, req.match.prefix_len)
         self.check_insert(expected)
@@ -165,7 +182,8 @@ class CacheMachine(RuleBasedStateMachine):
         row = self.pool.req_to_token[req.row, : req.kv_len].to(torch.int64).clone()
         if keep:  # finished, or aborted / retracted with its KV kept
             expected = self.expected_tree(req, row)
-            self.cache.cache_finished(req.tokens[: req.kv_len], row, req.match)
+            with host_known_swa(data) as swa_from:
+                self.cache.cache_finished(req.tokens[: req.kv_len], row, req.match, swa_from(req))
             self.check_insert(expected)
         else:  # aborted without caching
             self.cache.release(row, req.match)

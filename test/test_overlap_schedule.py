@@ -136,9 +136,7 @@ def test_prompt_chunks_continue_the_overlap_with_the_serial_outputs(tiny_checkpo
         assert [t.logprob for t in got[rid].input_logprobs] == pytest.approx(
             [t.logprob for t in expected[rid].input_logprobs], abs=1e-4
         )
-    # chunks of every prompt launched ahead; the radix tree reads the device to cache prompt KV, so there a
-    # prompt step is read before the next launch (decode steps still overlap)
-    assert continued[0] >= 5 and (radix or continued[1] >= 6)
+    assert continued[1] >= 6  # chunks of every prompt were launched ahead
     assert_idle_and_consistent(scheduler)
 
 

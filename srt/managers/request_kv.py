@@ -22,7 +22,8 @@ from srt.mem_cache.swa_window import out_of_window_upto
 def cache_prefill(req: Req, req_to_token_pool: ReqToTokenPool, cache: PrefixCache) -> None:
     """After a prefill forward: the request's tokens so far go to the cache; it keeps them locked."""
     row = req_to_token_pool.req_to_token[req.req_pool_idx]
-    req.prefix = cache.cache_unfinished(req.cache_tokens(req.kv_len), row[: req.kv_len].long(), req.prefix)
+    tokens, slots = req.cache_tokens(req.kv_len), row[: req.kv_len].long()
+    req.prefix = cache.cache_unfinished(tokens, slots, req.prefix, req.swa_freed_upto)
     req_to_token_pool.write(req.req_pool_idx, 0, req.prefix.slots)
     req.swa_freed_upto = max(req.swa_freed_upto, req.prefix.prefix_len)
 

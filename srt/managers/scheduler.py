@@ -20,10 +20,9 @@ run in stream order, so KV freed on the host while a step still runs is only reu
 What needs step n's tokens on the host first finishes the step in flight: a verify round, a grammar, a pool
 too short without retraction, a request that sampled nothing, and penalties (or min_new_tokens) when the
 sampled requests change (a new sampler builds its history from the host; the same requests keep theirs,
-recorded on the device: `sampling/batch_sampler.py`). A prompt step is read before the next launch when
-the prefix cache reads the device to cache its KV (the radix tree: it would wait for the next step too);
-otherwise (--disable-radix-cache) its KV goes to the cache one step late, the next chunk's (queued, written
-before any later step reads it) with it.
+recorded on the device: `sampling/batch_sampler.py`). A prompt's KV goes to the cache one step late, the
+next chunk's (queued, written before any later step reads it) with it; caching reads nothing back from the
+device (the request's `swa_freed_upto` says which of its tokens hold SWA KV), or it would wait for that step.
 
 Speculative decoding (FROZEN_KV_MTP). A decoding request that speculates runs as a verify item: the assistant
 drafts k tokens for it before the step, and the step computes its newest token and the drafts (k + 1 rows,
@@ -293,8 +292,6 @@ class Scheduler:
         chunks under the budgets as `_schedule_prefill` takes them. None when the host must read first."""
         if previous.verify is not None:
             return None  # the next round needs the accepted counts
-        if self.cache.caching_reads_device and any(not item.decode for item in previous.batch.items):
-            return None  # caching its prompt KV would wait for the next step, and hold back first tokens by it
         sampled = previous.sampled_reqs
         live = [i for i, req in enumerate(sampled) if req.req_pool_idx is not None and not req.finished]
         decoding = [sampled[i] for i in live]

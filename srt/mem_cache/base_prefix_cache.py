@@ -70,21 +70,23 @@ class PrefixCache(ABC):
     """A cache of KV for token prefixes, sharing full-pool slots between requests."""
 
     allocator: TokenSlotAllocator | SWATokenAllocator
-    # whether caching a prompt's KV (`cache_unfinished`) reads the device (a tree reads which slots still hold
-    # SWA KV): it then waits for any step in flight, so the scheduler reads a prompt step before launching more
-    caching_reads_device: bool = True
 
     @abstractmethod
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         """The longest usable cached prefix of `token_ids`. Marks it recently used; locks nothing."""
 
     @abstractmethod
-    def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
+    def insert(self, token_ids: Sequence[int], slots: torch.Tensor, swa_from: int | None = None) -> int:
         """Hand the KV of `token_ids` (in `slots`) to the cache.
 
         Returns n, how many leading tokens were already cached. The cache keeps its own slots for those, so
         the caller frees its duplicates: `slots[prefix_len:n]`, where prefix_len is the length of the prefix
         the caller holds locked (those slots are the cache's own). The cache owns `slots[n:]` from now on.
+
+        `swa_from` (a request's `swa_freed_upto`, >= prefix_len): its tokens from there on hold an SWA slot and
+        those before hold none, so a cache that tracks SWA KV need not read the mapping back from the device (a
+        read that waits for any step in flight). The duplicates' SWA slots are then freed here: the caller frees
+        only their full slots (`_free_duplicates(..., swa_freed=True)`).
         """
 
     @abstractmethod
@@ -130,11 +132,13 @@ class PrefixCache(ABC):
         """
 
     @abstractmethod
-    def cache_unfinished(self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult) -> MatchResult:
+    def cache_unfinished(
+        self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult, swa_from: int | None = None
+    ) -> MatchResult:
         """Cache a running request's tokens so far and move its lock from `match.node` to the new end.
 
         Returns the request's new cached prefix (locked): the caller writes its slots over
-        row[:prefix_len] and keeps the result for the next call.
+        row[:prefix_len] and keeps the result for the next call. `swa_from`: as in `insert`.
         """
 
     def cache_finished(
@@ -142,8 +146,8 @@ class PrefixCache(ABC):
     ) -> None:
         """Cache a request that finished (or was aborted / retracted) and drop its lock. `swa_from`: where the
         request's tokens that still hold SWA slots start (`Req.swa_freed_upto`), for a cache that frees them."""
-        already_cached = self.insert(token_ids, slots)
-        self._free_duplicates(slots, match.prefix_len, already_cached)
+        already_cached = self.insert(token_ids, slots, swa_from)
+        self._free_duplicates(slots, match.prefix_len, already_cached, swa_freed=swa_from is not None)
         self.unlock(match.node)
 
     def release(self, slots: torch.Tensor, match: MatchResult) -> None:
@@ -163,10 +167,15 @@ class PrefixCache(ABC):
     def in_use(self) -> int:
         return self.stats().in_use
 
-    def _free_duplicates(self, slots: torch.Tensor, start: int, end: int) -> None:
-        """Return slots[start:end] (a request's copies of tokens the cache already had) to the allocator."""
+    def _free_duplicates(self, slots: torch.Tensor, start: int, end: int, swa_freed: bool = False) -> None:
+        """Return slots[start:end] (a request's copies of tokens the cache already had) to the allocator;
+        `swa_freed`: `insert` freed their SWA slots already (it was given `swa_from`)."""
         if end > start:
-            self.allocator.free(slots[start:end])
+            allocator = self.allocator
+            if swa_freed and isinstance(allocator, SWATokenAllocator):
+                allocator.full.free(slots[start:end])
+            else:
+                allocator.free(slots[start:end])
 
 
 def full_pool_of(allocator: TokenSlotAllocator | SWATokenAllocator) -> TokenSlotAllocator:

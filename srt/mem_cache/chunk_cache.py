@@ -26,8 +26,6 @@ from srt.mem_cache.base_prefix_cache import (
 class ChunkCache(PrefixCache):
     """A prefix cache that caches nothing; its only handle is an empty root every request locks."""
 
-    caching_reads_device = False
-
     def __init__(self, allocator: TokenSlotAllocator | SWATokenAllocator) -> None:
         self.allocator = allocator
         self._full = full_pool_of(allocator)
@@ -38,11 +36,15 @@ class ChunkCache(PrefixCache):
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         return MatchResult(self._empty, self.root)
 
-    def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
+    def insert(self, token_ids: Sequence[int], slots: torch.Tensor, swa_from: int | None = None) -> int:
         """Nothing is kept: the slots are freed at once and no token counts as already cached."""
         if len(token_ids) != len(slots):
             raise ValueError(f"{len(token_ids)} tokens but {len(slots)} slots")
-        self.allocator.free(slots.to(torch.int64))
+        slots = slots.to(torch.int64)
+        if isinstance(self.allocator, SWATokenAllocator) and swa_from is not None:
+            self.allocator.free(slots, swa_from)
+        else:
+            self.allocator.free(slots)
         return 0
 
     def cache_finished(
@@ -73,7 +75,9 @@ class ChunkCache(PrefixCache):
     def evict(self, num_tokens: int) -> int:
         return 0
 
-    def cache_unfinished(self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult) -> MatchResult:
+    def cache_unfinished(
+        self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult, swa_from: int | None = None
+    ) -> MatchResult:
         """Nothing is cached: the request keeps owning all its slots and its (empty) prefix stays as it is."""
         return match
 

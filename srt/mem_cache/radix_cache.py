@@ -127,7 +127,7 @@ class RadixCache(PrefixCache):
         return MatchResult(slots, path[-1] if path else self.root)
 
     # ---- insertion -----------------------------------------------------------------------------------
-    def insert(self, token_ids: Sequence[int], slots: torch.Tensor) -> int:
+    def insert(self, token_ids: Sequence[int], slots: torch.Tensor, swa_from: int | None = None) -> int:
         if len(token_ids) != len(slots):
             raise ValueError(f"{len(token_ids)} tokens but {len(slots)} slots")
         slots = slots.to(dtype=torch.int64)
@@ -135,19 +135,24 @@ class RadixCache(PrefixCache):
         pos = 0
         for i, node in enumerate(path):
             length = len(node)  # before _adopt, which may split `node` and leave it the tail
-            path[i] = self._adopt(node, slots[pos : pos + length])
+            live_from = None if swa_from is None else swa_from - pos
+            path[i] = self._adopt(node, slots[pos : pos + length], live_from)
             pos += length
         if pos < len(token_ids):
             parent = path[-1] if path else self.root
-            path += self._add_leaves(parent, tuple(token_ids[pos:]), slots[pos:])
+            live_from = None if swa_from is None else swa_from - pos
+            path += self._add_leaves(parent, tuple(token_ids[pos:]), slots[pos:], live_from)
         self._touch(path)
         return pos
 
-    def _adopt(self, node: TreeNode, request_slots: torch.Tensor) -> TreeNode:
-        """Hook for a node the inserted tokens already had (SWA revives tombstones); returns its deepest part."""
+    def _adopt(self, node: TreeNode, request_slots: torch.Tensor, live_from: int | None) -> TreeNode:
+        """Hook for a node the inserted tokens already had (SWA revives tombstones); returns its deepest part.
+        `live_from`: where the request's tokens holding SWA slots start, relative to the node (`insert`)."""
         return node
 
-    def _add_leaves(self, parent: TreeNode, key: tuple[int, ...], slots: torch.Tensor) -> list[TreeNode]:
+    def _add_leaves(
+        self, parent: TreeNode, key: tuple[int, ...], slots: torch.Tensor, live_from: int | None
+    ) -> list[TreeNode]:
         return [self._add_node(parent, key, slots)]
 
     def _add_node(self, parent: TreeNode, key: tuple[int, ...], slots: torch.Tensor) -> TreeNode:
@@ -221,9 +226,11 @@ class RadixCache(PrefixCache):
             stack.extend(node.children.values())
 
     # ---- chunked prefill -----------------------------------------------------------------------------
-    def cache_unfinished(self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult) -> MatchResult:
-        already_cached = self.insert(token_ids, slots)
-        self._free_duplicates(slots, match.prefix_len, already_cached)
+    def cache_unfinished(
+        self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult, swa_from: int | None = None
+    ) -> MatchResult:
+        already_cached = self.insert(token_ids, slots, swa_from)
+        self._free_duplicates(slots, match.prefix_len, already_cached, swa_freed=swa_from is not None)
         new = self.lookup(token_ids)
         if new.prefix_len != len(token_ids):
             raise AssertionError(f"inserted {len(token_ids)} tokens but found {new.prefix_len}")

@@ -24,7 +24,7 @@ import itertools
 import torch
 
 from srt.forward.host_device import fill_at
-from srt.mem_cache.allocator import SWATokenAllocator
+from srt.mem_cache.allocator import SWATokenAllocator, debug_kv_indices
 from srt.mem_cache.base_prefix_cache import CacheStats, check_swa_partition
 from srt.mem_cache.radix_cache import RadixCache, TreeNode
 
@@ -57,12 +57,18 @@ class SWARadixCache(RadixCache):
         return path[:usable]
 
     # ---- insertion -----------------------------------------------------------------------------------
-    def _add_leaves(self, parent: TreeNode, key: tuple[int, ...], slots: torch.Tensor) -> list[TreeNode]:
+    def _add_leaves(
+        self, parent: TreeNode, key: tuple[int, ...], slots: torch.Tensor, live_from: int | None
+    ) -> list[TreeNode]:
         """New tokens become a chain of nodes, one per run of tokens with / without SWA KV."""
-        live = self.allocator.full_to_swa[slots] != 0
-        # one read: whether the first token is live, then where each run after the first starts
-        run_starts = torch.nonzero(live[1:] != live[:-1]).flatten().add_(1)
-        first_live, *starts = torch.cat([live[:1].long(), run_starts]).tolist()
+        if live_from is None:
+            live = self.allocator.full_to_swa[slots] != 0
+            # one read: whether the first token is live, then where each run after the first starts
+            run_starts = torch.nonzero(live[1:] != live[:-1]).flatten().add_(1)
+            first_live, *starts = torch.cat([live[:1].long(), run_starts]).tolist()
+        else:  # a request's own tokens: none holds SWA KV before live_from, all do from there
+            self._check_live_from(slots, live_from, None)
+            first_live, starts = live_from <= 0, [live_from] if 0 < live_from < len(key) else []
         nodes = []
         for i, (start, end) in enumerate(itertools.pairwise([0, *starts, len(key)])):
             parent = self._add_node(parent, key[start:end], slots[start:end])
@@ -70,28 +76,51 @@ class SWARadixCache(RadixCache):
             nodes.append(parent)
         return nodes
 
-    def _adopt(self, node: TreeNode, request_slots: torch.Tensor) -> TreeNode:
+    def _adopt(self, node: TreeNode, request_slots: torch.Tensor, live_from: int | None) -> TreeNode:
         """Revive a tombstone's tail with the request's SWA KV of the same tokens.
 
         The request computed these tokens itself and still holds their SWA slots; moving the mapping to the
         tree's full slots keeps that KV (the caller then frees only the duplicate full slots). Without this a
         chunked-prefill request could be handed back tree slots without SWA KV inside its own window.
+        With `live_from` known (the request's tokens from there on hold SWA slots, its own slots, not the
+        tree's), the request's SWA slots of a live node's tokens, duplicates, are freed here too.
         """
-        if not node.tombstone:
-            return node
-        to_swa = self.allocator.full_to_swa
-        revivable = ((request_slots != node.slots) & (to_swa[request_slots] != 0)).tolist()
-        tail = len(revivable)
-        while tail > 0 and revivable[tail - 1]:
-            tail -= 1
-        if tail == len(revivable):
-            return node
+        if live_from is not None:
+            tail = min(max(live_from, 0), len(node))
+            self._check_live_from(request_slots, live_from, node.slots)
+            if tail == len(node):
+                return node
+            if not node.tombstone:
+                self.allocator.free_swa(request_slots[tail:], all_hold_swa=True)
+                return node
+        else:
+            if not node.tombstone:
+                return node
+            to_swa = self.allocator.full_to_swa
+            revivable = ((request_slots != node.slots) & (to_swa[request_slots] != 0)).tolist()
+            tail = len(revivable)
+            while tail > 0 and revivable[tail - 1]:
+                tail -= 1
+            if tail == len(revivable):
+                return node
         if tail > 0:
             self._split(node, tail)  # `node` keeps the revivable tail
+        to_swa = self.allocator.full_to_swa
         to_swa[node.slots] = to_swa[request_slots[tail:]]
         fill_at(to_swa, (request_slots[tail:],), 0)
         node.tombstone = False
         return node
+
+    def _check_live_from(self, request_slots: torch.Tensor, live_from: int, tree_slots: torch.Tensor | None) -> None:
+        """SRT_DEBUG_KV_INDICES=1: the request's own slots (not the tree's, which its locked prefix holds) hold SWA
+        slots exactly from `live_from` on, and all of those are its own."""
+        if not debug_kv_indices():
+            return
+        held = (self.allocator.full_to_swa[request_slots] != 0).tolist()
+        own = [True] * len(held) if tree_slots is None else (request_slots != tree_slots).tolist()
+        for i, (holds, is_own) in enumerate(zip(held, own, strict=True)):
+            if (i >= live_from and not is_own) or (is_own and holds != (i >= live_from)):
+                raise AssertionError(f"the request's SWA slots are not exactly those from {live_from} on: {held}")
 
     # ---- locks ---------------------------------------------------------------------------------------
     def lock(self, node: TreeNode) -> None:
