@@ -170,7 +170,7 @@ class SWARadixCache(RadixCache):
             _, _, node = heapq.heappop(heap)
             freed += len(node)
             if node.children or node.lock_ref:
-                self.allocator.free_swa(node.slots)
+                self.allocator.free_swa(node.slots, all_hold_swa=True)  # a live node: each token holds one
                 node.tombstone = True
                 continue
             parent = node.parent
@@ -180,6 +180,11 @@ class SWARadixCache(RadixCache):
                 self._delete_leaf(parent)
                 parent = grandparent
         return freed
+
+    def _delete_leaf(self, leaf: TreeNode) -> None:
+        # a node's tokens all hold SWA slots or none (a tombstone): freed without reading the mapping back
+        self.allocator.free(leaf.slots, len(leaf) if leaf.tombstone else 0)
+        del leaf.parent.children[leaf.key[0]]
 
     # ---- accounting ----------------------------------------------------------------------------------
     def swa_stats(self) -> CacheStats:
