@@ -4,8 +4,8 @@ Every other copy between host and device is pinned and queued, so the host prepa
 runs this one (the overlap schedule), and a prefill's forward is launched whole (YOCO's logits rows are taken
 in its middle). A pageable copy (`torch.tensor(values, device="cuda")`, `tensor[index] = 0`, a GPU tensor indexed
 by a Python list), `.item()` or a boolean mask's count would make the host wait for everything queued before
-it: PyTorch's sync debug mode raises at each of them. The radix cache is off here: its insert reads which
-tokens still hold sliding-window KV (`SWARadixCache._add_leaves`), once per prompt.
+it: PyTorch's sync debug mode raises at each of them. With the radix cache on, the second run's prompts hit
+the first run's prefixes, and caching and eviction take which tokens hold sliding-window KV from the host.
 """
 
 from __future__ import annotations
@@ -36,13 +36,16 @@ def arrivals() -> dict:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("radix", [False, True], ids=["chunk-cache", "radix"])
 @pytest.mark.parametrize("drafting", [False, True], ids=["plain", "mtp"])
-def test_steps_wait_for_the_device_only_to_read_tokens(tiny_checkpoint, monkeypatch, drafting: bool) -> None:
+def test_steps_wait_for_the_device_only_to_read_tokens(
+    tiny_checkpoint, monkeypatch, drafting: bool, radix: bool
+) -> None:
     extra = {}
     if drafting:
         extra = {"speculative_draft_model_path": str(tiny_checkpoint(f"{PRESET}-assistant"))}
     args = ServerArgs(
-        model_path=str(tiny_checkpoint(PRESET)), device="cuda", dtype="bfloat16", disable_radix_cache=True,
+        model_path=str(tiny_checkpoint(PRESET)), device="cuda", dtype="bfloat16", disable_radix_cache=not radix,
         chunked_prefill_size=32, max_total_tokens=4096, **extra,
     )  # fmt: skip
     scheduler = Scheduler(args)
