@@ -37,7 +37,9 @@ class ChunkCache(PrefixCache):
         return MatchResult(self._empty, self.root)
 
     def insert(self, token_ids: Sequence[int], slots: torch.Tensor, swa_from: int | None = None) -> int:
-        """Nothing is kept: the slots are freed at once and no token counts as already cached."""
+        """Nothing is kept: the slots are freed at once and no token counts as already cached. With `swa_from`
+        the sliding-window pool's share is known (tokens from there on hold a slot, those before hold none): the
+        allocator frees it without reading a mask back, which on a GPU would wait for the step in flight."""
         if len(token_ids) != len(slots):
             raise ValueError(f"{len(token_ids)} tokens but {len(slots)} slots")
         slots = slots.to(torch.int64)
@@ -46,21 +48,6 @@ class ChunkCache(PrefixCache):
         else:
             self.allocator.free(slots)
         return 0
-
-    def cache_finished(
-        self, token_ids: Sequence[int], slots: torch.Tensor, match: MatchResult, swa_from: int | None = None
-    ) -> None:
-        """Every slot is freed. With `swa_from` the sliding-window pool's share is known (tokens from there on
-        hold a slot, those before hold none): the allocator frees it without reading a mask back, which on a
-        GPU would wait for the step launched after the request's last one (the overlap schedule)."""
-        if len(token_ids) != len(slots):
-            raise ValueError(f"{len(token_ids)} tokens but {len(slots)} slots")
-        slots = slots.to(torch.int64)
-        if isinstance(self.allocator, SWATokenAllocator) and swa_from is not None:
-            self.allocator.free(slots, swa_from)
-        else:
-            self.allocator.free(slots)
-        self.unlock(match.node)
 
     def lock(self, node: CacheHandle) -> None:
         self._check_root(node)
