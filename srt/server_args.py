@@ -109,9 +109,9 @@ class ServerArgs:
     )
     disable_overlap_schedule: bool = _arg(
         False,
-        "Read each decode step's sampled tokens on the host before launching the next step. By default the next "
-        "decode step is launched first, its input tokens taken from the device, so the host's work between "
-        "steps runs while the GPU computes.",
+        "Read each step's sampled tokens on the host before launching the next step. By default the next step "
+        "(decode tokens, prompt chunks) is launched first, its decoding requests' input tokens taken from the "
+        "device, so the host's work between steps runs while the GPU computes.",
     )
     cuda_graph_max_bs: int | None = _arg(
         None, "Largest batch captured in a CUDA graph (default: --max-running-requests); larger ones run eagerly."
