@@ -14,8 +14,10 @@ Each test starts its own server: the module-wide one of test_serving_openai.py m
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,6 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 from serving_fixtures import PRESET, Server, alive, child_pids, start_server
+
+from srt.entrypoints.processes import ServingProcesses
 
 EXIT_BOUND_S = 10  # "exits within seconds", with room for a loaded 2-core machine
 HEALTH_BOUND_S = 5  # "/health 503 within a second": measured ~0.03 s; the bound leaves room for load
@@ -152,3 +156,29 @@ def test_without_exit_on_child_death_the_server_stays_up_answering_503_until_kil
     finally:
         server.stop()
     assert_nothing_left(children, tmp_path)
+
+
+def test_a_child_killed_by_a_signal_is_named_before_those_that_exited_after_it() -> None:
+    """A killed rank breaks its peers' connections and they exit with an error a moment later: the message
+    names the killed one as the cause, whatever the order the children were started in."""
+    fork = multiprocessing.get_context("fork")  # the targets touch nothing of this process
+    children = {
+        "scheduler": fork.Process(target=sys.exit, args=(1,)),  # exits with an error, like a broken peer
+        "tp-rank-1": fork.Process(target=time.sleep, args=(60,)),
+        "detokenizer": fork.Process(target=time.sleep, args=(60,)),
+    }
+    for proc in children.values():
+        proc.start()
+    processes = ServingProcesses(port_args=None, children=children)
+    try:
+        children["scheduler"].join(30)
+        assert processes.problem() == "the scheduler process exited unexpectedly (exit code 1)"
+        os.kill(children["tp-rank-1"].pid, signal.SIGKILL)
+        children["tp-rank-1"].join(30)
+        assert processes.problem() == (
+            "the tp-rank-1 process exited unexpectedly (exit code -9); also exited: scheduler (exit code 1)"
+        )
+    finally:
+        for proc in children.values():
+            proc.kill()
+            proc.join()
