@@ -123,9 +123,10 @@ def run_mtp_latency(
         scheduler.check_integrity()
     if trace is not None:
         prompts = torch.randint(3, runner.model_config.vocab_size, (batch_sizes[0], input_len), generator=generator)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         for mode in ("plain", "mtp"):
             scheduler.spec = spec if mode == "mtp" else None
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with profile(activities=activities) as prof:
                 decode_run(scheduler, prompts.tolist(), TRACE_TOKENS, f"trace-{mode}")
             prof.export_chrome_trace(str(trace.with_name(f"{trace.stem}-{mode}.json")))
         scheduler.spec = spec

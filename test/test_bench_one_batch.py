@@ -266,10 +266,12 @@ def test_speculative_mode_reports_plain_and_mtp_decoding(tmp_path) -> None:
         sys.executable, str(REPO / "bench" / "bench_one_batch.py"), "--model-path", "tiny-gemma-4-E4B-it",
         "--load-format", "dummy", "--device", "cpu", "--max-total-tokens", "1024",
         "--speculative-draft-model-path", "tiny-gemma-4-E4B-it-assistant", "--batch-size", "1", "2",
-        "--input-len", "16", "--output-len", "9", "--json", str(out_file),
+        "--input-len", "16", "--output-len", "9", "--json", str(out_file), "--trace", str(tmp_path / "t.json"),
     ]  # fmt: skip
     env = {**ENV, "SRT_SIMULATE_ACCEPT_LEN": "3.0"}
     subprocess.run(command, check=True, capture_output=True, timeout=300, env=env)
+    for mode in ("plain", "mtp"):  # --trace: a profile of each decode, as Chrome traces
+        assert json.loads((tmp_path / f"t-{mode}.json").read_text())["traceEvents"]
     rows = json.loads(out_file.read_text())["mtp"]
     assert [row["batch_size"] for row in rows] == [1, 2]
     for row in rows:

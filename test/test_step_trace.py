@@ -56,3 +56,17 @@ def test_trace_records_each_request_from_arrival_to_first_token(tiny_checkpoint,
     assert any(name.endswith("-> forward") for name in stretches)
     assert all(seconds >= 0 for values in stretches.values() for seconds in values)
     scheduler.check_integrity()
+
+
+def test_a_prompt_step_launched_before_the_read_of_the_one_before_counts_from_that_read() -> None:
+    """Under the overlap schedule step 2 is launched (t=1) before step 1 is read (t=10): step 2's time is from
+    that read to its own (t=15), not from its launch; a step launched after the last read counts from its launch."""
+
+    def launch(t: float, tokens: int) -> dict:
+        return {"event": "launch", "t": t, "prompt_tokens": tokens, "admitted": []}
+
+    def finish(t: float) -> dict:
+        return {"event": "finish", "t": t, "first_token": []}
+
+    events = [launch(0, 8), launch(1, 8), finish(10), finish(15), launch(20, 8), finish(26)]
+    assert load_reader().summarize(events)["prompt step"] == [10, 5, 6]
