@@ -24,6 +24,9 @@ recorded on the device: `sampling/batch_sampler.py`). A prompt's KV goes to the 
 next chunk's (queued, written before any later step reads it) with it; caching reads nothing back from the
 device (the request's `swa_freed_upto` says which of its tokens hold SWA KV), or it would wait for that step.
 
+A step runs through `step_launcher.py` (the forward, each item's logits rows, the sampling queued on the
+device); the scheduler chooses the steps and does the requests' bookkeeping once their tokens are read.
+
 Speculative decoding (FROZEN_KV_MTP). A decoding request that speculates runs as a verify item: the assistant
 drafts k tokens for it before the step, and the step computes its newest token and the drafts (k + 1 rows,
 mixed with prompt chunks like any decode row); the host then appends the accepted tokens and gives back the
@@ -34,7 +37,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -42,42 +44,23 @@ from srt.forward.forward_batch import ForwardMode
 from srt.forward.host_device import host_to_device
 from srt.managers import request_kv
 from srt.managers.io_struct import FinishReason, ReqOutput, TokenizedGenerateReq
-from srt.managers.request_output import (
-    SampledTokens,
-    append_samples,
-    collect_output,
-    finish_check,
-    record_prompt_logprobs,
-    request_sampling,
-    sample_tokens,
-)
-from srt.managers.schedule_batch import Req, ScheduleBatch, ScheduledReq, fill_drafts
+from srt.managers.request_output import append_samples, collect_output, finish_check
+from srt.managers.schedule_batch import Req, ScheduleBatch, ScheduledReq
 from srt.managers.schedule_policy import PrefillBudget, order_waiting
 from srt.managers.speculation import Speculation
+from srt.managers.step_launcher import LaunchedStep, StepLauncher
 from srt.managers.step_trace import StepTrace
 from srt.managers.tokenizer_loader import load_grammar_vocab
-from srt.managers.verify_round import VerifyRound
 from srt.mem_cache.base_prefix_cache import PrefixCache
 from srt.mem_cache.chunk_cache import ChunkCache
 from srt.mem_cache.swa_radix_cache import SWARadixCache
 from srt.model_executor.model_runner import ModelRunner
 from srt.multimodal.chunking import chunk_without_split_image
-from srt.sampling.batch_sampler import BatchSampler
 from srt.sampling.grammar import GrammarMatchers
 from srt.sampling.sampler import make_generator
 from srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _Launched:
-    """A batch whose forward and sampling are queued on the device; `Scheduler._finish` completes it."""
-
-    batch: ScheduleBatch
-    sampled_reqs: list[Req]
-    sampled: SampledTokens | None
-    verify: VerifyRound | None = None
 
 
 class Scheduler:
@@ -106,10 +89,9 @@ class Scheduler:
         self.default_generator = make_generator(server_args.seed, self.runner.device)
         # speculative decoding (None without an assistant)
         self.spec = Speculation(self.runner, server_args.load_format, self.default_generator) if drafter else None
-        # the sampler of the last sampled requests, kept while the same requests decode
-        self._sampler: tuple[list[Req], BatchSampler] | None = None
+        self.launcher = StepLauncher(self.runner, self.spec, self.eos_ids, self.default_generator, self.trace)
         self.overlap = not server_args.disable_overlap_schedule
-        self._in_flight: _Launched | None = None  # a step launched, its tokens not read yet
+        self._in_flight: LaunchedStep | None = None  # a step launched, its tokens not read yet
         vocab = self.runner.model_config.vocab_size
         self.grammars = GrammarMatchers(lambda: load_grammar_vocab(server_args, vocab, sorted(self.eos_ids)))
 
@@ -198,21 +180,22 @@ class Scheduler:
         logger.warning("request %s: %s", stuck.rid, message)
         return collect_output(stuck)
 
-    def _schedule_prefill(self, unread: list[Req] | None = None) -> ScheduleBatch | None:
+    def _schedule_prefill(self, unread: list[ScheduledReq] | None = None) -> ScheduleBatch | None:
         """Prompt chunks under the budgets and, mixed in first, one token of every decoding request.
 
-        `unread`: the decoding requests of a continued step (`_continued`), whose newest tokens the host has
-        not read yet; every other running request then has prompt tokens left."""
+        `unread`: the decode items of a continued step (`_continued`), whose requests' newest tokens the host
+        has not read yet; every other running request then has prompt tokens left."""
         self.trace.mark("schedule")
         if unread is None:
             chunked = [req for req in self.running if req.to_compute > 1]  # at most one: a prefill in progress
             decoding = [] if self.args.disable_mixed_batches else [r for r in self.running if r.to_compute == 1]
         else:
-            unread_ids = {id(req) for req in unread}
-            chunked, decoding = [req for req in self.running if id(req) not in unread_ids], unread
+            unread_ids = {id(item.req) for item in unread}
+            chunked = [req for req in self.running if id(req) not in unread_ids]
+            decoding = [item.req for item in unread]
         if not chunked and not self.waiting:
             return None  # no prompt work: a decode step
-        decode_items = [self._decode_item(req) for req in decoding]
+        decode_items = unread if unread is not None else [self._decode_item(req) for req in decoding]
         self._draft_tokens = sum(item.num_drafts for item in decode_items)
         chunk = self.args.chunked_prefill_size or self.runner.context_len
         budget = PrefillBudget(
@@ -286,7 +269,7 @@ class Scheduler:
             return self.spec.decode_item(req)
         return ScheduledReq(req, 1, True, decode=True)
 
-    def _continued(self, previous: _Launched) -> tuple[ScheduleBatch, torch.Tensor | None] | None:
+    def _continued(self, previous: LaunchedStep) -> tuple[ScheduleBatch, torch.Tensor | None] | None:
         """The step after `previous`, launched before its tokens are read, and the input ids of its leading
         decode items (those tokens, on the device): one token for every request `previous` sampled, then prompt
         chunks under the budgets as `_schedule_prefill` takes them. None when the host must read first."""
@@ -315,7 +298,7 @@ class Scheduler:
         if prompts or self.waiting:
             if self.args.disable_mixed_batches:
                 return None  # a prompt step without the decoding requests, scheduled once they are read
-            batch = self._schedule_prefill(decoding)
+            batch = self._schedule_prefill(items)
             if batch is not None:
                 return batch, ids
             if prompts:
@@ -340,64 +323,11 @@ class Scheduler:
         return ScheduleBatch(mode, items)
 
     # ---- run and update ----------------------------------------------------------------------------------
-    def _launch(self, batch: ScheduleBatch, input_ids: torch.Tensor | None = None) -> _Launched:
-        """Queue the forward and the sampling of `batch`; `input_ids` (device): a continued decode's tokens."""
+    def _launch(self, batch: ScheduleBatch, input_ids: torch.Tensor | None = None) -> LaunchedStep:
         self.trace.launched(batch, len(self.waiting), len(self.running))
-        verify_items = [item for item in batch.items if item.num_drafts]
-        drafts = self.spec.draft([item.req for item in verify_items]) if verify_items else None
-        slots = self.allocator.alloc(sum(item.num_tokens for item in batch.items))
-        pools = (self.req_to_token_pool, self.runner.kv_pool)
-        forward_batch = batch.to_forward_batch(slots, *pools, input_ids)
-        if drafts is not None:
-            fill_drafts(forward_batch, batch.items, drafts)
-        # each new token's slot at its request's row and its position, in one op for the whole batch
-        self.req_to_token_pool.write_one_each(forward_batch.token_req_pool_indices(), forward_batch.positions, slots)
-        self.trace.mark("forward")
-        output = self.runner.forward(forward_batch)
-        logits = output.logits
+        return self.launcher.launch(batch, input_ids)
 
-        row = 0
-        sampled_items, sample_rows, verify_rows = [], [], []
-        for item in batch.items:
-            num_logprob_rows = len(item.prompt_logprob_rows)
-            if item.req.wants_prompt_logprobs:
-                record_prompt_logprobs(item, logits[row : row + num_logprob_rows])
-                row += num_logprob_rows
-            if item.sample and item.num_drafts:
-                verify_rows.append(row)
-                row += item.num_tokens
-            elif item.sample:
-                sampled_items.append(item)
-                sample_rows.append(row)
-                row += 1
-            item.req.kv_len += item.num_tokens
-            if item.req.kv_len >= len(item.req.prompt_ids):
-                item.req.prompt_logprobs_done = True
-        sampled_reqs = [item.req for item in sampled_items]
-        verify = self.spec.launch_verify(verify_items, verify_rows, drafts, output) if verify_items else None
-        # decode samples every row (no index); otherwise a pinned copy of the rows: indexing a GPU tensor with a
-        # Python list copies the list from pageable memory, which waits for the device
-        every_row = sample_rows == list(range(len(logits)))
-        sample_index = None if every_row else host_to_device([sample_rows], logits.device)[0]
-        if self.spec is not None and sampled_reqs:
-            # the next round drafts from the hidden state that sampled each request's newest token: a copy, not a
-            # view of a CUDA graph's output buffer (the next replay writes there)
-            hidden_states = output.hidden_states
-            rows = hidden_states[: len(sample_rows)].clone() if every_row else hidden_states[sample_index]
-            for req, hidden in zip(sampled_reqs, rows.unbind(), strict=True):
-                req.draft_hidden = hidden
-        sampled = None
-        if sampled_items:
-            greedy_ids = output.greedy_ids
-            if not every_row:  # no [rows, vocab] copy when every row samples
-                logits = logits[sample_index]
-                greedy_ids = None if greedy_ids is None else greedy_ids[sample_index]
-            sampled = self._sample(sampled_reqs, logits, greedy_ids)
-        if verify is not None:
-            self.spec.draft_ahead(verify)  # last: its graph may reuse the memory of this step's outputs
-        return _Launched(batch, sampled_reqs, sampled, verify)
-
-    def _finish(self, launched: _Launched) -> list[ReqOutput]:
+    def _finish(self, launched: LaunchedStep) -> list[ReqOutput]:
         """Read a launched batch's tokens; stop checks, releases and caching; what each request produced."""
         if launched.sampled is not None:
             append_samples(launched.sampled_reqs, launched.sampled)
@@ -427,25 +357,6 @@ class Scheduler:
         request_kv.free_kv(given_back, windows, self.req_to_token_pool, self.allocator)
         self.trace.mark("finished")
         return outputs
-
-    def _sample(self, reqs: list[Req], logits: torch.Tensor, greedy_ids: torch.Tensor | None) -> SampledTokens:
-        """Sample the requests' next tokens with the sampler of this composition (built when it changes)."""
-        sampler = None
-        if self._sampler is not None and len(self._sampler[0]) == len(reqs):
-            # by identity: the list holds its requests, so a new request cannot take an old one's place; the
-            # same requests sampled in the step before, so the sampler's history is theirs to this step
-            same = all(a is b for a, b in zip(self._sampler[0], reqs, strict=True))
-            sampler = self._sampler[1] if same else None
-        if sampler is None:
-            sampler = BatchSampler.build(
-                [request_sampling(req) for req in reqs],
-                vocab_size=logits.shape[-1],
-                device=logits.device,
-                eos_token_ids=sorted(self.eos_ids),
-                default_generator=self.default_generator,
-            )
-        self._sampler = (reqs, sampler)
-        return sample_tokens(sampler, logits, greedy_ids)
 
     def _release(self, req: Req) -> None:
         request_kv.release(req, self.req_to_token_pool, self.cache)
