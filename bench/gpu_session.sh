@@ -42,16 +42,17 @@ stage_decode() {  # decode at batch 1 and 32 (512-token context) and the 7000-to
 
 stage_fp8() {  # bf16 vs --quantization fp8 side by side: decode E4B batch 1 and 32, 31B batch 1 (512-token
     # context), prefill 1 x 7000 of E4B, then the FP8 kernels' GPU tests. FP8_MODELS overrides "E4B:1 32;31B:1",
-    # FP8_PREFILL_MODELS "E4B"; FP8_PARTS (default "decode prefill tests") splits the stage over device calls.
+    # FP8_PREFILL_MODELS "E4B"; FP8_PARTS (default "decode prefill tests") splits the stage over device calls;
+    # FP8_EXTRA: more flags for the FP8 runs (e.g. "--kv-cache-dtype fp8_e4m3", #26's FP8 weights and KV).
     # With --quantization fp8 the floors count the dense projections at one byte per weight (MoE experts at 16 bits).
     parts=" ${FP8_PARTS:-decode prefill tests} "
     IFS=';' read -ra runs <<<"${FP8_MODELS:-E4B:1 32;31B:1}"
     [[ $parts == *" decode "* ]] && for run in "${runs[@]}"; do
         model=${run%%:*}
         for quant in bf16 fp8; do
-            flag="" && [ $quant = fp8 ] && flag="--quantization fp8"
+            flag="" && [ $quant = fp8 ] && flag="--quantization fp8 ${FP8_EXTRA:-}"
             [ "$model" = 26B-A4B ] && flag="$flag --swa-full-tokens-ratio 1"
-            echo "--- $model $quant decode"
+            echo "--- $model $quant decode $flag"
             timeout 280 $BENCH --model-path gemma-4-$model-it $flag --batch-size ${run#*:} --input-len 512 \
                 --output-len 32 --json "$RESULTS/fp8-decode-$model-$quant.json" 2>&1 | grep -E "^batch|Error|error"
         done
@@ -164,9 +165,9 @@ stage_mm() {  # the vision encoder: one call per image vs one batched call per s
     done
 }
 
-ab_decode() {  # one A/B run: decode of AB_MODEL at AB_BATCH, 512-token context; its ms/step lines (and errors)
+ab_decode() {  # one A/B run: decode of AB_MODEL at AB_BATCH, 512-token context (AB_ARGS: more flags); its ms/step lines
     timeout 240 $BENCH --model-path gemma-4-${AB_MODEL:-E4B}-it --batch-size ${AB_BATCH:-1 32} --input-len 512 \
-        --output-len 32 "$@" 2>&1 | grep -E "decode .* ms/step|Error|error" | grep -v floor
+        --output-len 32 ${AB_ARGS:-} "$@" 2>&1 | grep -E "decode .* ms/step|Error|error" | grep -v floor
 }
 
 stage_ab() {  # decode with and without environment switches: AB="A=1 B=2;C=3" is two runs beside the plain one

@@ -44,6 +44,8 @@ class RequestRecord:
     error: str | None = None
     server_itl_s: list[float] = field(default_factory=list)  # with --emit-timestamps (module docstring)
     emit_lag_s: dict[str, list[float]] = field(default_factory=dict)  # stage -> one lag per chunk
+    sent_at: float | None = None  # wall clock (time.time()) when it was sent: beside a server's step trace
+    first_emit_ts: dict[str, float] = field(default_factory=dict)  # --emit-timestamps: the first chunk's, client's too
 
 
 def arrival_timings(start: float, arrivals: list[tuple[float, int]]) -> tuple[float, list[float]]:

@@ -144,7 +144,7 @@ async def send_request(
     arrivals: list[tuple[float, int]] = []  # (time, tokens) of each chunk that carried output
     emitted: list[tuple[dict[str, float], int]] = []  # (the chunk's emit_ts and wall-clock arrival, tokens)
     usage = None
-    start = time.perf_counter()
+    record.sent_at, start = time.time(), time.perf_counter()
     try:
         stream = await open_stream(client, backend, model, spec, logprobs, emit_ts)
         async for chunk in stream:
@@ -165,6 +165,7 @@ async def send_request(
     record.ttft_s, record.itl_s = arrival_timings(start, arrivals)
     if emitted:
         record.server_itl_s, record.emit_lag_s = emit_timings(emitted)
+        record.first_emit_ts = emitted[0][0]
     record.chunks = len(arrivals)
     record.output_tokens = usage.completion_tokens if usage else sum(tokens for _, tokens in arrivals)
     record.input_len = usage.prompt_tokens if usage else spec.input_len

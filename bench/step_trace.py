@@ -11,6 +11,12 @@ host's gap between a prompt step's read and the next launch where no step was in
 stretches between the trace's `mark` points after each prompt step's read), and per request where the time to its
 first token went in the scheduler: queued (arrival to the launch of its first prompt chunk) and computed (that
 launch to the read of its first token).
+
+With `--requests RUN.json` (bench_serving.py's or serving_ab.py's output, from the same machine: both clocks are
+`time.time()`), each timed request's TTFT end to end: client -> scheduler (its send to the scheduler's arrival;
+matched with the request whose first token the scheduler read last before the client got its own), queued, computed, and
+scheduler -> client (the read of its first token to the client's arrival; with --emit-timestamps split by stage),
+the first requests one by one (`--show`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from collections import deque
 from pathlib import Path
 
 import numpy as np
+from serving_metrics import EMIT_STAGES
 
 
 def load_events(prefix: str) -> list[dict]:
@@ -106,14 +113,75 @@ def gap_stretches(events: list[dict]) -> dict[str, list[float]]:
     return stretches
 
 
+def request_records(path: Path) -> list[dict]:
+    """The timed requests of a bench_serving.py or serving_ab.py JSON that carry their send time."""
+    data = json.loads(path.read_text())
+    runs = [run for setting in data.get("settings", []) for run in setting.get("runs", [])] or [data]
+    return sorted((r for run in runs for r in run["requests"] if r.get("sent_at")), key=lambda r: r["sent_at"])
+
+
+def ttft_breakdown(events: list[dict], records: list[dict]) -> list[dict[str, float]]:
+    """Per timed request (in send order): its TTFT end to end and the stretches of it (seconds).
+
+    A request is matched with the scheduler's request that arrived after it was sent and whose first token was
+    read last before the client got its first token (among requests of one step: the earliest arrival)."""
+    arrived = {e["rid"]: e["t"] for e in events if e["event"] == "arrive"}
+    admitted: dict[str, float] = {}
+    first_read: dict[str, float] = {}
+    for event in events:
+        if event["event"] == "launch":
+            for rid in event["admitted"]:
+                admitted.setdefault(rid, event["t"])
+        elif event["event"] == "finish":
+            for rid in event["first_token"]:
+                first_read.setdefault(rid, event["t"])
+    free = {rid for rid in arrived if rid in admitted and rid in first_read}
+    rows = []
+    for record in sorted((r for r in records if r.get("ttft_s")), key=lambda r: r["sent_at"] + r["ttft_s"]):
+        received = record["sent_at"] + record["ttft_s"]
+        candidates = [rid for rid in free if arrived[rid] >= record["sent_at"] and first_read[rid] <= received]
+        if not candidates:
+            continue
+        rid = max(candidates, key=lambda rid: (first_read[rid], -arrived[rid]))
+        free.remove(rid)
+        row = {
+            "sent": record["sent_at"],
+            "ttft": record["ttft_s"],
+            "client -> scheduler": arrived[rid] - record["sent_at"],
+            "queued": admitted[rid] - arrived[rid],
+            "computed": first_read[rid] - admitted[rid],
+            "scheduler -> client": received - first_read[rid],
+        }
+        stamps = record.get("first_emit_ts") or {}
+        if "scheduler" in stamps:
+            row["  read -> emitted"] = stamps["scheduler"] - first_read[rid]
+            for before, stage in zip(EMIT_STAGES, EMIT_STAGES[1:]):
+                row[f"  -> {stage}"] = stamps[stage] - stamps[before]
+        rows.append(row)
+    rows.sort(key=lambda row: row.pop("sent"))
+    return rows
+
+
+def print_breakdown(rows: list[dict[str, float]], show: int) -> None:
+    print(f"TTFT end to end, {len(rows)} timed requests matched with the trace:")
+    for name in dict.fromkeys(name for row in rows for name in row):
+        print(f"  {name:32} {stats_ms([row[name] for row in rows if name in row])}")
+    for i, row in enumerate(rows[:show]):
+        print(f"  request {i:3d}: " + "  ".join(f"{name.strip()} {value * 1e3:.1f}" for name, value in row.items()))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prefix", help="The SRT_STEP_TRACE path (files PREFIX.<pid>).")
     parser.add_argument("--idle", type=float, default=2.0, help="Seconds without events that end a burst.")
+    parser.add_argument("--requests", type=Path, help="A bench_serving.py / serving_ab.py JSON of the same runs.")
+    parser.add_argument("--show", type=int, default=16, help="With --requests: the first requests one by one.")
     args = parser.parse_args()
     events = load_events(args.prefix)
     if not events:
         raise SystemExit(f"no trace files {args.prefix}.*")
+    if args.requests is not None:
+        print_breakdown(ttft_breakdown(events, request_records(args.requests)), args.show)
     for i, burst in enumerate(bursts(events, args.idle)):
         arrivals = sum(e["event"] == "arrive" for e in burst)
         prompt_tokens = sum(e.get("prompt_tokens", 0) for e in burst)

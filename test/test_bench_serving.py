@@ -274,6 +274,10 @@ def test_emit_timestamps_run_reports_where_tokens_wait(server, tmp_path) -> None
         chunks = record["chunks"]
         assert len(record["server_itl_s"]) == len(record["itl_s"]) == chunks - 1  # a gap between two chunks
         assert all(len(lags) == chunks and min(lags) >= 0 for lags in record["emit_lag_s"].values())
+        # the send and the first chunk's stamps in wall-clock time, for bench/step_trace.py --requests
+        stamps = record["first_emit_ts"]
+        assert record["sent_at"] < stamps["scheduler"] <= stamps["client"]
+        assert stamps["client"] == pytest.approx(record["sent_at"] + record["ttft_s"], abs=0.05)
 
 
 def test_run_from_two_client_processes(server, tmp_path) -> None:

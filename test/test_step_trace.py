@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
+
+import pytest
 
 from srt.envs import SRT_STEP_TRACE
 from srt.managers.inprocess import run_to_completion
@@ -19,6 +22,8 @@ READER = Path(__file__).resolve().parents[1] / "bench" / "step_trace.py"
 
 
 def load_reader():
+    if str(READER.parent) not in sys.path:
+        sys.path.insert(0, str(READER.parent))  # the reader imports bench/serving_metrics.py
     spec = importlib.util.spec_from_file_location("step_trace_reader", READER)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -70,3 +75,35 @@ def test_a_prompt_step_launched_before_the_read_of_the_one_before_counts_from_th
 
     events = [launch(0, 8), launch(1, 8), finish(10), finish(15), launch(20, 8), finish(26)]
     assert load_reader().summarize(events)["prompt step"] == [10, 5, 6]
+
+
+def test_ttft_breakdown_matches_client_records_with_the_trace() -> None:
+    """Two requests sent together: each client record is matched with the request whose first token the
+    scheduler read last before the client's first token, and its TTFT splits into stretches that add up."""
+    reader = load_reader()
+    events = [
+        {"t": 10.000, "event": "arrive", "rid": "warm"},  # before the timed sends: never matched
+        {"t": 11.004, "event": "arrive", "rid": "a"},
+        {"t": 11.006, "event": "arrive", "rid": "b"},
+        {"t": 11.010, "event": "launch", "admitted": ["a"], "prompt_tokens": 8, "decode_rows": 0},
+        {"t": 11.090, "event": "finish", "first_token": ["a"]},
+        {"t": 11.095, "event": "launch", "admitted": ["b"], "prompt_tokens": 8, "decode_rows": 1},
+        {"t": 11.180, "event": "finish", "first_token": ["b"]},
+    ]
+    stamps = {"scheduler": 11.091, "detokenizer": 11.092, "tokenizer_manager": 11.094, "sse": 11.095, "client": 11.096}
+    records = [  # the later one first: matching goes by the client's first token, not by list order
+        {"sent_at": 11.001, "ttft_s": 0.185, "first_emit_ts": {}},
+        {"sent_at": 11.000, "ttft_s": 0.096, "first_emit_ts": stamps},
+        {"sent_at": 11.002, "ttft_s": None},  # failed: no first token
+    ]
+    rows = reader.ttft_breakdown(events, records)
+    assert len(rows) == 2
+    first, second = rows  # in send order
+    assert first["client -> scheduler"] == pytest.approx(0.004)  # a
+    assert first["queued"] == pytest.approx(0.006) and first["computed"] == pytest.approx(0.080)
+    assert first["  read -> emitted"] == pytest.approx(0.001) and first["  -> client"] == pytest.approx(0.001)
+    assert second["client -> scheduler"] == pytest.approx(0.005)  # b
+    assert second["queued"] == pytest.approx(0.089) and second["computed"] == pytest.approx(0.085)
+    for row in rows:
+        parts = ("client -> scheduler", "queued", "computed", "scheduler -> client")
+        assert sum(row[name] for name in parts) == pytest.approx(row["ttft"])
