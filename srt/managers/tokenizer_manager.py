@@ -166,7 +166,7 @@ class TokenizerManager:
         elif ids is None:
             ids = self.encode_text(single.text, add_special_tokens)
         vocab, context = self.info.vocab_size, self.info.context_len
-        if any(not 0 <= tok < vocab for tok in ids):
+        if ids and (min(ids) < 0 or max(ids) >= vocab):  # C loops: a prompt's 8k ids in ~0.1 ms
             raise ValueError(f"input_ids must be token ids in [0, {vocab})")
         limit = min(context, self.info.max_total_tokens)
         if len(ids) >= limit:
