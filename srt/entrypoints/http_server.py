@@ -4,11 +4,13 @@ Routes: POST /generate (SGLang's native API), POST /v1/completions, POST /v1/cha
 /health, /health_generate, /metrics (Prometheus), /server_info, and vLLM's POST /tokenize, POST /detokenize,
 GET /tokenizer_info. Every bad request gets HTTP 400 (413 for a body over --max-request-body-mb) with an
 OpenAI-style error body and the server carries on; a client that disconnects has its requests aborted.
-Bodies are read and parsed by `request_body` and tokenized on one worker thread, so a large request never
-holds up the event loop that serves everyone else. Generation requests beyond --max-running-requests +
---max-queued-requests get 429 with Retry-After (`managers/admission.py`). When the scheduler or detokenizer
-dies, every open request gets an error at once, /health answers 503, and with --exit-on-child-death (the
-default) the server stops and exits with status 1.
+Generation bodies are read by `request_body`, then parsed, checked and tokenized in one hop to one worker
+thread, first come first served: a large request never holds up the event loop that serves everyone else, and
+of requests that come together the first reaches the scheduler first (with the parse on the loop, 8 prompts of
+8k ids interleaved their stages and all reached it ~20 ms later on a 2-core CPU). Generation requests beyond
+--max-running-requests + --max-queued-requests get 429 with Retry-After (`managers/admission.py`). When the
+scheduler or detokenizer dies, every open request gets an error at once, /health answers 503, and with
+--exit-on-child-death (the default) the server stops and exits with status 1.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from srt.entrypoints.openai.serving_chat import ChatRun
 from srt.entrypoints.openai.serving_completions import CompletionRun
 from srt.entrypoints.openapi_schema import document_routes
 from srt.entrypoints.processes import ServingProcesses, launch_processes
-from srt.entrypoints.request_body import read_json_object
+from srt.entrypoints.request_body import parse_json_object, read_body, read_json_object
 from srt.entrypoints.sse_response import error_response, sse_response
 from srt.entrypoints.tokenizer_routes import add_tokenizer_routes
 from srt.managers.admission import Admission, Overloaded, Ticket
@@ -64,6 +66,11 @@ def create_app(tm: TokenizerManager, watch_children: Callable[[], Callable[[], N
 
     async def json_body(request: Request) -> dict[str, Any]:
         return await read_json_object(request, max_body_bytes)
+
+    async def built(request: Request, build: Callable[[dict[str, Any]], T]) -> T:
+        """`build(the parsed body)` with the parse on the tokenize thread too (one hop, in arrival order)."""
+        raw = await read_body(request, max_body_bytes)
+        return await off_loop(lambda: build(parse_json_object(raw)))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -137,16 +144,17 @@ def create_app(tm: TokenizerManager, watch_children: Callable[[], Callable[[], N
         card.update(root=tm.server_args.model_path, max_model_len=tm.info.context_len)
         return {"object": "list", "data": [card]}
 
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        admission.check()  # a full server refuses before reading the body
-        body = await json_body(request)
-        known = GenerateReqInput.__dataclass_fields__
-        unknown = sorted(set(body) - set(known))
+    def prepared_generate(body: dict[str, Any]) -> tuple[GenerateReqInput, list]:
+        unknown = sorted(set(body) - set(GenerateReqInput.__dataclass_fields__))
         if unknown:
             raise RequestError(f"unknown field(s): {', '.join(unknown)}", param=unknown[0])
         obj = GenerateReqInput(**body)
-        prepared = await off_loop(tm.prepare, obj)
+        return obj, tm.prepare(obj)
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        admission.check()  # a full server refuses before reading the body
+        obj, prepared = await built(request, prepared_generate)
         ticket = admission.admit(len(prepared))
         if obj.stream:
             return sse_response(_generate_stream(tm, obj, prepared), ticket)
@@ -158,15 +166,13 @@ def create_app(tm: TokenizerManager, watch_children: Callable[[], Callable[[], N
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         admission.check()
-        body = CompletionRequest.model_validate(await json_body(request))
-        run = await off_loop(CompletionRun, tm, body)
+        run = await built(request, lambda body: CompletionRun(tm, CompletionRequest.model_validate(body)))
         return await _respond(run, request, admission.admit(len(run.prepared)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         admission.check()
-        body = ChatCompletionRequest.model_validate(await json_body(request))
-        run = await off_loop(ChatRun, tm, body)
+        run = await built(request, lambda body: ChatRun(tm, ChatCompletionRequest.model_validate(body)))
         return await _respond(run, request, admission.admit(len(run.prepared)))
 
     add_tokenizer_routes(app, tm, json_body, off_loop)

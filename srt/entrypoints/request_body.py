@@ -29,6 +29,14 @@ class BodyTooLarge(RequestError):
 
 async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
     """The body as a checked JSON object; RequestError (400, 413 for size) naming what is wrong."""
+    raw = await read_body(request, max_bytes)
+    if len(raw) <= PARSE_INLINE_BYTES:
+        return parse_json_object(raw)
+    return await asyncio.to_thread(parse_json_object, raw)
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The body's bytes, for `parse_json_object` on a worker thread; BodyTooLarge (413) past `max_bytes`."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(int(declared), max_bytes)
@@ -38,10 +46,7 @@ async def read_json_object(request: Request, max_bytes: int) -> dict[str, Any]:
         if size > max_bytes:
             raise _too_large(size, max_bytes)
         chunks.append(chunk)
-    raw = b"".join(chunks)
-    if len(raw) <= PARSE_INLINE_BYTES:
-        return parse_json_object(raw)
-    return await asyncio.to_thread(parse_json_object, raw)
+    return b"".join(chunks)
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
