@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import gzip
 import json
 from collections import deque
 from pathlib import Path
@@ -31,10 +32,16 @@ import numpy as np
 from serving_metrics import EMIT_STAGES
 
 
+def read_text(path: str | Path) -> str:
+    """A file's text, gunzipped where its name ends in .gz (the traces and runs kept in bench/results)."""
+    return gzip.open(path, "rt").read() if str(path).endswith(".gz") else Path(path).read_text()
+
+
 def load_events(prefix: str) -> list[dict]:
+    """The events of every trace file PREFIX.* (PREFIX.<pid>, or a gzipped copy), in time order."""
     events = []
     for path in sorted(glob.glob(f"{prefix}.*")):
-        events += [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        events += [json.loads(line) for line in read_text(path).splitlines() if line.strip()]
     return sorted(events, key=lambda e: e["t"])
 
 
@@ -115,7 +122,7 @@ def gap_stretches(events: list[dict]) -> dict[str, list[float]]:
 
 def request_records(path: Path) -> list[dict]:
     """The timed requests of a bench_serving.py or serving_ab.py JSON that carry their send time."""
-    data = json.loads(path.read_text())
+    data = json.loads(read_text(path))
     runs = [run for setting in data.get("settings", []) for run in setting.get("runs", [])] or [data]
     return sorted((r for run in runs for r in run["requests"] if r.get("sent_at")), key=lambda r: r["sent_at"])
 

@@ -3,7 +3,9 @@ bench/step_trace.py reads a request's time to first token back from it."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -107,3 +109,15 @@ def test_ttft_breakdown_matches_client_records_with_the_trace() -> None:
     for row in rows:
         parts = ("client -> scheduler", "queued", "computed", "scheduler -> client")
         assert sum(row[name] for name in parts) == pytest.approx(row["ttft"])
+
+
+def test_gzipped_traces_and_runs_read_as_plain_ones(tmp_path) -> None:
+    """The traces and runs kept in bench/results are gzipped; the reader opens them as they are."""
+    reader = load_reader()
+    events = [{"t": 2.0, "event": "arrive", "rid": "b"}, {"t": 1.0, "event": "arrive", "rid": "a"}]
+    with gzip.open(tmp_path / "trace.jsonl.gz", "wt") as out:
+        out.write("\n".join(json.dumps(e) for e in events) + "\n")
+    assert [e["rid"] for e in reader.load_events(str(tmp_path / "trace"))] == ["a", "b"]
+    with gzip.open(tmp_path / "run.json.gz", "wt") as out:
+        json.dump({"requests": [{"sent_at": 2.0, "ttft_s": 0.1}, {"sent_at": 1.0, "ttft_s": 0.1}, {"ttft_s": 1}]}, out)
+    assert [r["sent_at"] for r in reader.request_records(tmp_path / "run.json.gz")] == [1.0, 2.0]
