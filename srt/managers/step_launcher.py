@@ -14,6 +14,7 @@ in flight (the overlap schedule) or at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -37,26 +38,33 @@ class LaunchedStep:
     verify: VerifyRound | None = None
 
 
-class _LogitRows:
-    """Which logits rows of a step go where: its sampled items and their rows, and the verify items' first rows."""
+class _LogitRows(NamedTuple):
+    """Where a step's logits rows go besides prompt logprobs: its sampled items and their rows, and the first
+    row of each verify item."""
 
-    def __init__(self, items: list[ScheduledReq], logits: torch.Tensor) -> None:
-        self.sampled_items: list[ScheduledReq] = []
-        self.sample_rows: list[int] = []
-        self.verify_rows: list[int] = []
-        row = 0
-        for item in items:
-            num_logprob_rows = len(item.prompt_logprob_rows)
-            if item.req.wants_prompt_logprobs:
-                record_prompt_logprobs(item, logits[row : row + num_logprob_rows])
-                row += num_logprob_rows
-            if item.sample and item.num_drafts:
-                self.verify_rows.append(row)
-                row += item.num_tokens
-            elif item.sample:
-                self.sampled_items.append(item)
-                self.sample_rows.append(row)
-                row += 1
+    sampled_items: list[ScheduledReq]
+    sample_rows: list[int]
+    verify_rows: list[int]
+
+
+def _route_logit_rows(items: list[ScheduledReq], logits: torch.Tensor) -> _LogitRows:
+    """Walk the step's rows in item order (the diagram above): record each item's prompt logprobs on the way,
+    and say where the rows that sample or verify are."""
+    rows = _LogitRows([], [], [])
+    row = 0
+    for item in items:
+        num_logprob_rows = len(item.prompt_logprob_rows)
+        if item.req.wants_prompt_logprobs:
+            record_prompt_logprobs(item, logits[row : row + num_logprob_rows])
+            row += num_logprob_rows
+        if item.sample and item.num_drafts:
+            rows.verify_rows.append(row)
+            row += item.num_tokens
+        elif item.sample:
+            rows.sampled_items.append(item)
+            rows.sample_rows.append(row)
+            row += 1
+    return rows
 
 
 class StepLauncher:
@@ -88,7 +96,7 @@ class StepLauncher:
         self.trace.mark("forward")
         output = self.runner.forward(forward_batch)
         logits = output.logits
-        rows = _LogitRows(batch.items, logits)
+        rows = _route_logit_rows(batch.items, logits)
         for item in batch.items:
             item.req.kv_len += item.num_tokens
             if item.req.kv_len >= len(item.req.prompt_ids):
