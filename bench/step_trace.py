@@ -63,24 +63,35 @@ def stats_ms(values: list[float]) -> str:
     return f"n {len(ms):4d}  mean {ms.mean():8.2f}  p50 {p50:8.2f}  p90 {p90:8.2f} ms"
 
 
+def request_times(events: list[dict]) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """Per request id: when it arrived, when its first prompt chunk was launched, when its first token was read."""
+    arrived: dict[str, float] = {}
+    admitted: dict[str, float] = {}
+    first_read: dict[str, float] = {}
+    for event in events:
+        if event["event"] == "arrive":
+            arrived[event["rid"]] = event["t"]
+        elif event["event"] == "launch":
+            for rid in event["admitted"]:
+                admitted.setdefault(rid, event["t"])
+        elif event["event"] == "finish":
+            for rid in event["first_token"]:
+                first_read.setdefault(rid, event["t"])
+    return arrived, admitted, first_read
+
+
 def summarize(events: list[dict]) -> dict[str, list[float]]:
     """Step times, host gaps and per-request waits (seconds) of one burst."""
     launches: deque[dict] = deque()
-    out: dict[str, list[float]] = {"prompt step": [], "host gap after a prompt step": [], "queued": [], "computed": []}
-    arrived: dict[str, float] = {}
-    admitted: dict[str, float] = {}
+    out: dict[str, list[float]] = {"prompt step": [], "host gap after a prompt step": []}
     last_finish: float | None = None
     last_finish_kind = ""
     decode_time, decode_steps = 0.0, 0
     for event in events:
         kind = event["event"]
-        if kind == "arrive":
-            arrived[event["rid"]] = event["t"]
-        elif kind == "launch":
+        if kind == "launch":
             if last_finish is not None and last_finish_kind == "prompt" and not launches:
                 out["host gap after a prompt step"].append(event["t"] - last_finish)
-            for rid in event["admitted"]:
-                admitted.setdefault(rid, event["t"])
             launches.append(event)
         elif kind == "finish" and launches:
             launch = launches.popleft()
@@ -91,10 +102,10 @@ def summarize(events: list[dict]) -> dict[str, list[float]]:
                 decode_steps += 1
                 decode_time += event["t"] - (last_finish if last_finish is not None else launch["t"])
             last_finish, last_finish_kind = event["t"], step_kind
-            for rid in event["first_token"]:
-                if rid in admitted and rid in arrived:
-                    out["queued"].append(admitted[rid] - arrived[rid])
-                    out["computed"].append(event["t"] - admitted[rid])
+    arrived, admitted, first_read = request_times(events)
+    timed = [rid for rid in first_read if rid in admitted and rid in arrived]
+    out["queued"] = [admitted[rid] - arrived[rid] for rid in timed]
+    out["computed"] = [first_read[rid] - admitted[rid] for rid in timed]
     out["decode step (read to read)"] = [decode_time / decode_steps] * decode_steps if decode_steps else []
     return out
 
@@ -132,16 +143,7 @@ def ttft_breakdown(events: list[dict], records: list[dict]) -> list[dict[str, fl
 
     A request is matched with the scheduler's request that arrived after it was sent and whose first token was
     read last before the client got its first token (among requests of one step: the earliest arrival)."""
-    arrived = {e["rid"]: e["t"] for e in events if e["event"] == "arrive"}
-    admitted: dict[str, float] = {}
-    first_read: dict[str, float] = {}
-    for event in events:
-        if event["event"] == "launch":
-            for rid in event["admitted"]:
-                admitted.setdefault(rid, event["t"])
-        elif event["event"] == "finish":
-            for rid in event["first_token"]:
-                first_read.setdefault(rid, event["t"])
+    arrived, admitted, first_read = request_times(events)
     free = {rid for rid in arrived if rid in admitted and rid in first_read}
     rows = []
     for record in sorted((r for r in records if r.get("ttft_s")), key=lambda r: r["sent_at"] + r["ttft_s"]):
