@@ -121,3 +121,17 @@ def test_gzipped_traces_and_runs_read_as_plain_ones(tmp_path) -> None:
     with gzip.open(tmp_path / "run.json.gz", "wt") as out:
         json.dump({"requests": [{"sent_at": 2.0, "ttft_s": 0.1}, {"sent_at": 1.0, "ttft_s": 0.1}, {"ttft_s": 1}]}, out)
     assert [r["sent_at"] for r in reader.request_records(tmp_path / "run.json.gz")] == [1.0, 2.0]
+
+
+def test_a_request_listed_as_first_token_twice_is_timed_once() -> None:
+    """Under the overlap schedule a one-token request runs in the step after its first too, whose read lists it
+    again: its wait counts once, from the first read."""
+    events = [
+        {"t": 0.0, "event": "arrive", "rid": "a"},
+        {"t": 1.0, "event": "launch", "admitted": ["a"], "prompt_tokens": 8, "decode_rows": 0},
+        {"t": 1.5, "event": "launch", "admitted": [], "prompt_tokens": 0, "decode_rows": 1},
+        {"t": 3.0, "event": "finish", "first_token": ["a"]},
+        {"t": 4.0, "event": "finish", "first_token": ["a"]},
+    ]
+    summary = load_reader().summarize(events)
+    assert summary["queued"] == [1.0] and summary["computed"] == [2.0]
