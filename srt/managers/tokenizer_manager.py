@@ -33,6 +33,7 @@ from srt.managers.io_struct import (
     StatsReq,
     StrOutput,
     TokenizedGenerateReq,
+    check_vocab_ids,
     combine_stats,
 )
 from srt.managers.ipc import PortArgs, socket
@@ -166,8 +167,7 @@ class TokenizerManager:
         elif ids is None:
             ids = self.encode_text(single.text, add_special_tokens)
         vocab, context = self.info.vocab_size, self.info.context_len
-        if ids and (min(ids) < 0 or max(ids) >= vocab):  # C loops: a prompt's 8k ids in ~0.1 ms
-            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
+        check_vocab_ids(ids, vocab)
         limit = min(context, self.info.max_total_tokens)
         if len(ids) >= limit:
             raise ValueError(f"prompt is too long: {len(ids)} tokens; the context length is {limit}")
