@@ -1,6 +1,7 @@
 """Reading a request's JSON body: bounded in size, parsed off the event loop, checked before anything runs.
 
-Every POST route reads its body through `read_json_object`, so a body that is too large, too deep, holds a
+Every POST route reads its body through `read_json_object`, or (the generation routes, which parse on their
+worker thread) `read_body` then `parse_json_object`, so a body that is too large, too deep, holds a
 number JSON cannot carry (NaN, Infinity, 1e999) or a string that is not valid Unicode (a lone surrogate
 escape such as "\\ud800") is refused with a 4xx naming the top-level field, before any model work, and the
 event loop that answers `/health` and every other stream never waits on a big body's parse.
