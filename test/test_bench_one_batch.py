@@ -223,8 +223,8 @@ def test_baseline_on_random_weights_decodes_as_transformers_generate(bench) -> N
 
 
 def test_graph_steps_bench_times_both_ways(tiny_checkpoint, tmp_path) -> None:
-    """`bench/bench_graph_steps.py` runs prefills and mixed steps through the padded token steps and eagerly
-    (on CPU the padded steps run without graphs: a check of the script, not a measurement)."""
+    """`bench/bench_graph_steps.py` runs prefills, later chunks of a prompt and mixed steps through the padded
+    token steps and eagerly (on CPU the padded steps run without graphs: a check of the script, not a measurement)."""
     out_file = tmp_path / "steps.json"
     command = [
         sys.executable,
@@ -238,6 +238,9 @@ def test_graph_steps_bench_times_both_ways(tiny_checkpoint, tmp_path) -> None:
         "--prefill-lens",
         "20",
         "50",
+        "--prompt-prefix",
+        "0",
+        "10",
         "--decode-rows",
         "0",
         "3",
@@ -252,8 +255,9 @@ def test_graph_steps_bench_times_both_ways(tiny_checkpoint, tmp_path) -> None:
     ]
     subprocess.run(command, check=True, cwd=REPO, capture_output=True, timeout=300, env=ENV)
     results = json.loads(out_file.read_text())["results"]
-    assert [(r["prompt_len"], r["decode_rows"], r["tokens"]) for r in results] == [
-        (20, 0, 20), (50, 0, 50), (20, 3, 23), (50, 3, 53)
+    assert [(r["prompt_prefix"], r["prompt_len"], r["decode_rows"], r["tokens"]) for r in results] == [
+        (0, 20, 0, 20), (0, 50, 0, 50), (10, 20, 0, 20), (10, 50, 0, 50),
+        (0, 20, 3, 23), (0, 50, 3, 53), (10, 20, 3, 23), (10, 50, 3, 53),
     ]  # fmt: skip
     assert all(r["graphs_s"] > 0 and r["eager_s"] > 0 and r["prefill_floor_s"] > 0 for r in results)
 
