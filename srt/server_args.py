@@ -118,8 +118,9 @@ class ServerArgs:
     )
     cuda_graph_max_tokens: int = _arg(
         2048,
-        "Steps of up to this many tokens (short prefills, prompt chunks, mixed prefill + decode steps) replay "
-        "CUDA graphs captured per token count; longer ones run eagerly (0: no such graphs, only decode ones).",
+        "Steps of up to this many tokens (short prefills, prompt chunks, mixed prefill + decode steps), plus one "
+        "decode row per running request beside them, replay CUDA graphs captured per token count; longer ones run "
+        "eagerly (0: no such graphs, only decode ones).",
     )
     # ---- image input ----
     mm_encoder_budget_mb: int = _arg(

@@ -31,6 +31,8 @@ def test_default_token_counts() -> None:
     assert default_token_counts(2048) == [64, 128, 256, 384, 512, 768, 1024, 1280, 1536, 1792, 2048]
     assert default_token_counts(100) == [64, 100]
     assert default_token_counts(64) == [64]
+    # a chunk of 2048 prompt tokens beside a decode row of each of 64 running requests stays graphed
+    assert default_token_counts(2048, 64)[-2:] == [2048, 2112]
     assert default_token_counts(16) == [16]
 
 
@@ -102,9 +104,11 @@ def test_steps_past_the_largest_token_count_run_eagerly(tiny_checkpoint) -> None
     spy_on_steps(padded.runner.extend_graphs.steps, calls)
     vocab = plain.runner.model_config.vocab_size
     for driver in (padded, plain):
-        driver.forward(ForwardMode.EXTEND, [("a", prompt(vocab, 33, 1))], logits_rows=[32])  # 33 > 32: eager
+        driver.forward(ForwardMode.EXTEND, [("a", prompt(vocab, 37, 1))], logits_rows=[36])  # > 32 + 4: eager
         driver.forward(ForwardMode.EXTEND, [("b", prompt(vocab, 20, 2))], logits_rows=[19])
-    assert calls == [32]
+        # the last count holds 32 tokens and a decode row of each of the 4 running requests
+        driver.forward(ForwardMode.EXTEND, [("c", prompt(vocab, 34, 3))], logits_rows=[33])
+    assert calls == [32, 36]
     assert_same_outputs(padded, plain)
     padded.close()
     plain.close()

@@ -34,11 +34,13 @@ from srt.mem_cache.req_to_token_pool import ReqToTokenPool
 from srt.model_executor.captured_steps import CapturedSteps, StaticInputs, load_host_lists
 
 
-def default_token_counts(max_tokens: int) -> list[int]:
-    """64, 128, then every 128 up to 512 and every 256 above (padding wastes at most a third), to `max_tokens`."""
+def default_token_counts(max_tokens: int, decode_rows: int = 0) -> list[int]:
+    """64, 128, then every 128 up to 512 and every 256 above (padding wastes at most a third), to `max_tokens`;
+    then `max_tokens + decode_rows`: a prompt chunk of `max_tokens` tokens beside one row of every decoding
+    request (a mixed step of --chunked-prefill-size 2048 would otherwise run eagerly, launch-bound)."""
     counts = [n for n in (64, 128, 256, 384, 512) if n < max_tokens]
     counts += range(768, max_tokens, 256)
-    return [*counts, max_tokens]
+    return [*counts, max_tokens] + ([max_tokens + decode_rows] if decode_rows > 0 else [])
 
 
 class ExtendGraphs:

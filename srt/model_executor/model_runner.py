@@ -164,9 +164,9 @@ class ModelRunner:
         return plan.full_tokens, plan.swa_tokens
 
     def capture_cuda_graphs(self, use_graphs: bool = True) -> None:
-        """Capture steps of up to --cuda-graph-max-tokens tokens per token count, decode steps and YOCO's
-        KV-shared layers per batch size (`use_graphs=False`: run the same padded steps eagerly, which is how
-        CPU tests cover them)."""
+        """Capture steps of up to --cuda-graph-max-tokens tokens (and of that many beside a decode row of every
+        running request) per token count, decode steps and YOCO's KV-shared layers per batch size
+        (`use_graphs=False`: run the same padded steps eagerly, which is how CPU tests cover them)."""
         args = self.server_args
         max_bs = min(args.cuda_graph_max_bs or args.max_running_requests, args.max_running_requests)
         batch_sizes = default_batch_sizes(max_bs)
@@ -174,7 +174,7 @@ class ModelRunner:
         pools = (self.req_to_token_pool, self.kv_pool)
         if args.cuda_graph_max_tokens:
             # first: the largest activations, whose memory the smaller graphs then share
-            token_counts = default_token_counts(args.cuda_graph_max_tokens)
+            token_counts = default_token_counts(args.cuda_graph_max_tokens, args.max_running_requests)
             self.extend_graphs = ExtendGraphs(
                 self.model, self.attn_backend, *pools, token_counts, args.max_running_requests, use_graphs, pool
             )
