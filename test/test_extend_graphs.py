@@ -159,6 +159,10 @@ def test_token_step_graphs_give_the_eager_outputs(tiny_checkpoint, variant: str)
     for scenario in SCENARIOS:
         assert scenario(graphs, vocab) == scenario(eager, vocab), scenario.__name__
     assert calls == [128, 64, 64, 64, 64, 64, 64]  # the prompt with 17 logits rows > 16 ran eagerly
+    # the largest graph: --cuda-graph-max-tokens (2048) and a row for each of 16 requests beside them
+    for driver in (graphs, eager):
+        driver.forward(ForwardMode.EXTEND, [("long", prompt(vocab, 2050, 9))], logits_rows=[2049])
+    assert calls[-1] == 2048 + 16
     for a, b in zip(graphs.outputs, eager.outputs, strict=True):
         if len(b.logits):
             assert relative_error(a.logits, b.logits) < 1e-3
