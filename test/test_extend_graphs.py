@@ -130,6 +130,27 @@ def test_scheduler_with_padded_token_steps_matches_one_at_a_time(tiny_checkpoint
     assert_idle_and_consistent(scheduler)
 
 
+def test_a_whole_chunk_beside_decoding_requests_stays_padded(tiny_checkpoint) -> None:
+    """--chunked-prefill-size equal to --cuda-graph-max-tokens: a full chunk beside the decoding requests' rows
+    takes the largest padded step (64 + 4), not an eager forward, and gives the tokens each request gives alone."""
+    path = tiny_checkpoint("tiny-gemma-4-E4B-it")
+    scheduler = make_scheduler(path, chunked_prefill_size=64, cuda_graph_max_tokens=64, max_running_requests=4)
+    scheduler.runner.capture_cuda_graphs(use_graphs=False)
+    graphs = scheduler.runner.extend_graphs
+    calls: list[int] = []
+    spy_on_steps(graphs.steps, calls)
+    eager: list[int] = []
+    can_run = graphs.can_run
+    graphs.can_run = lambda batch: can_run(batch) or eager.append(batch.num_tokens) or False
+    requests = [greedy(str(i), ids, max_new_tokens=6) for i, ids in enumerate(prompts(4, seed=3, low=70, high=130))]
+    alone_scheduler = make_scheduler(path)
+    alone = {r.rid: run_to_completion(alone_scheduler, [r])[r.rid].output_ids for r in requests}
+    together = run_to_completion(scheduler, requests)
+    assert {rid: result.output_ids for rid, result in together.items()} == alone
+    assert eager == [] and 68 in calls, (eager, calls)
+    assert_idle_and_consistent(scheduler)
+
+
 # ---- GPU: real graphs ----------------------------------------------------------------------------------------
 
 
