@@ -18,14 +18,17 @@ same values, so every call does the same work. Prefill floors as in bench_one_ba
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from batch_fit import BatchNeed, built_runner
 from floors import measure_device_rates, prefill_floor
 from timing import synchronize, write_json
+from torch.profiler import ProfilerActivity
 from tqdm import tqdm
 
 from srt.configs.model_config import resolve_dtype
@@ -80,10 +83,19 @@ class Step:
         graphs = self.runner.extend_graphs
         return graphs is not None and graphs.can_run(self.batch)
 
-    def seconds(self, calls: int, use_graphs: bool) -> float:
+    @contextlib.contextmanager
+    def graphs_used(self, use_graphs: bool) -> Iterator[None]:
+        """The runner's token-count graphs, or none (every step eager), while inside."""
         runner, graphs = self.runner, self.runner.extend_graphs
         runner.extend_graphs = graphs if use_graphs else None
         try:
+            yield
+        finally:
+            runner.extend_graphs = graphs
+
+    def seconds(self, calls: int, use_graphs: bool) -> float:
+        runner = self.runner
+        with self.graphs_used(use_graphs):
             runner.forward(self.batch)  # the first call of a shape compiles
             synchronize(runner.device)
             start = time.perf_counter()
@@ -91,14 +103,12 @@ class Step:
                 runner.forward(self.batch)
             synchronize(runner.device)
             return (time.perf_counter() - start) / calls
-        finally:
-            runner.extend_graphs = graphs
 
     def print_profile(self, kernels: int = 12) -> None:
-        """The step's heaviest kernels, one eager call (after a warm one) under torch.profiler."""
-        self.seconds(1, use_graphs=False)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            self.seconds(1, use_graphs=False)
+        """The step's heaviest kernels in one eager call (compiled by the timed ones) under torch.profiler."""
+        with self.graphs_used(False), torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+            self.runner.forward(self.batch)
+            synchronize(self.runner.device)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=kernels, max_name_column_width=60))
 
     def release(self) -> None:
