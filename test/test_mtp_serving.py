@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from serving_fixtures import PRESET, greedy_reference, reference_scheduler, start_server
+from test_bench_serving import run_bench
 from test_metrics import samples
 from torch_threads import one_torch_thread
 
@@ -39,3 +40,16 @@ def test_generate_with_mtp_matches_the_target_alone(server, tiny_checkpoint) -> 
     rounds = metrics["srt_spec_accept_length_count", model]
     assert rounds >= sum(result["meta_info"]["spec_verify_ct"] for result in results)
     assert metrics["srt_spec_accept_length_mean", model] >= 1.0
+
+
+def test_bench_serving_runs_against_an_mtp_server(server, tmp_path) -> None:
+    """#23's `bench_serving` with MTP: every request completes with exactly the asked tokens, counted by their
+    logprobs (a verify round can stream several tokens in one chunk)."""
+    report = run_bench(
+        server.url, tmp_path / "mtp.json", "--num-prompts", "4", "--random-input-len", "12",
+        "--random-output-len", "6", "--max-concurrency", "2", "--stream-logprobs",
+    )  # fmt: skip
+    metrics = report["metrics"]
+    assert (metrics["completed"], metrics["failed"], metrics["total_output_tokens"]) == (4, 0, 24)
+    assert metrics["tokens_per_chunk"] >= 1.0
+    assert all(record["output_tokens"] == 6 for record in report["requests"])
