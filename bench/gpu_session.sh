@@ -7,8 +7,9 @@
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
 # serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
-# when that folder is present. Every result lands in $RESULTS (JSON, PNG, logs); with $OUT set (the device
-# tool's output folder) they are packed into $OUT/results.tgz at the end.
+# when that folder is present (`bash bench/fetch_device_wheels.sh` fills it). Every result lands in $RESULTS
+# (JSON, PNG, logs); with $OUT set (the device tool's output folder) they are packed into $OUT/results.tgz at
+# the end.
 set -u
 export PYTHONPATH=.:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 RESULTS=${RESULTS:-/tmp/srt-results}
@@ -24,7 +25,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 'transformers', transformers.__version__)"
 
 stage_tests() {  # the tests marked gpu: TESTS (files; default every file with a gpu mark), TESTS_PART=K/M (the
-    # K-th of M shares of those files, K = 1..M: the whole suite no longer fits one 400 s call), TESTS_TIMEOUT
+    # K-th of M shares of those files, K = 1..M: the whole suite no longer fits one call; on 2026-11-27 the first
+    # of 3 shares ran past 470 s, so take 4), TESTS_TIMEOUT
     local files=${TESTS:-$(grep -rl "mark.gpu" test --include="test_*.py" | sort)}
     if [ -n "${TESTS_PART:-}" ]; then
         files=$(echo "$files" | tr ' ' '\n' | awk -v k="${TESTS_PART%/*}" -v m="${TESTS_PART#*/}" 'NF && (NR - 1) % m == k - 1')
