@@ -24,6 +24,18 @@ from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
 
+def decoding_scheduler(args: argparse.Namespace, count: int) -> Scheduler:
+    """A scheduler from the server flags in `args` with `count` requests of 64-token prompts that decode until
+    stopped (rids decode-0, decode-1, ...), not stepped yet."""
+    scheduler = Scheduler(ServerArgs.from_cli(args))
+    vocab = scheduler.runner.model_config.vocab_size
+    forever = SamplingParams(temperature=0.0, max_new_tokens=10**6, ignore_eos=True)
+    for i in range(count):
+        ids = [(13 * j + i) % (vocab - 3) + 3 for j in range(64)]
+        scheduler.add_request(TokenizedGenerateReq(rid=f"decode-{i}", input_ids=ids, sampling_params=forever))
+    return scheduler
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
@@ -32,12 +44,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=6, help="Prompts profiled (after one unprofiled).")
     parser.add_argument("--rows", type=int, default=30, help="Functions printed.")
     args = parser.parse_args()
-    scheduler = Scheduler(ServerArgs.from_cli(args))
+    scheduler = decoding_scheduler(args, args.decoding)
     vocab = scheduler.runner.model_config.vocab_size
-    forever = SamplingParams(temperature=0.0, max_new_tokens=10**6, ignore_eos=True)
-    for i in range(args.decoding):
-        ids = [(13 * j + i) % (vocab - 3) + 3 for j in range(64)]
-        scheduler.add_request(TokenizedGenerateReq(rid=f"decode-{i}", input_ids=ids, sampling_params=forever))
     for _ in range(4):
         scheduler.step()
 

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 from kernel_timeline import critical_path, load_kernels
+from profile_host_gap import decoding_scheduler
 
 from srt.managers.io_struct import TokenizedGenerateReq
-from srt.managers.scheduler import Scheduler
 from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
@@ -46,12 +46,8 @@ def main() -> None:
     parser.add_argument("--trace", default="/tmp/prompt-wave.json", help="Where the wave's Chrome trace goes.")
     parser.add_argument("--sync-sites", action="store_true", help="List the call sites that wait for the GPU.")
     args = parser.parse_args()
-    scheduler = Scheduler(ServerArgs.from_cli(args))
+    scheduler = decoding_scheduler(args, args.decoding)
     vocab = scheduler.runner.model_config.vocab_size
-    forever = SamplingParams(temperature=0.0, max_new_tokens=10**6, ignore_eos=True)
-    for i in range(args.decoding):
-        ids = [(13 * j + i) % (vocab - 3) + 3 for j in range(64)]
-        scheduler.add_request(TokenizedGenerateReq(rid=f"decode-{i}", input_ids=ids, sampling_params=forever))
     one = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
 
     def wave(tag: str) -> list[float]:
