@@ -13,13 +13,13 @@ import array
 import torch
 
 ALIGN_BYTES = 16  # each list starts 16-byte aligned in the shared buffer
-ARRAY_TYPECODES = {torch.int64: "q", torch.float32: "f"}
+ARRAY_TYPECODES = {torch.int64: "q", torch.int32: "i", torch.float32: "f"}
 
 
 def host_to_device(
     lists: list[list[int]] | list[list[float]], device: torch.device | str, dtype: torch.dtype = torch.int64
 ) -> list[torch.Tensor]:
-    """`dtype` (int64 or float32) tensors of `lists` on `device`, in one copy (views of one buffer).
+    """`dtype` (int64, int32 or float32) tensors of `lists` on `device`, in one copy (views of one buffer).
 
     Each view starts 16-byte aligned, as a tensor of its own would: Triton specialises kernels on the alignment
     of pointer arguments, and views at arbitrary offsets would compile new variants as batch sizes change.

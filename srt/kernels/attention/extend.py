@@ -103,6 +103,30 @@ def build_extend_tiles(
     return torch.stack([req, first, end]).to(torch.int32)
 
 
+def build_extend_tiles_host(
+    extend_seq_lens: list[int], num_rows: int, block_q: int, skip: list[bool] | None = None
+) -> list[int]:
+    """`build_extend_tiles`' table from the host's lists, flattened (requests, first rows, end rows): the same
+    values with no kernel, for a step whose lengths the host knows and that no CUDA graph captures. On an H100
+    the device build's ~25 small kernels cost an eager 8k prompt step ~1.5 ms of host launches before its first
+    attention, GPU idle where no step ran before it (docs/benchmarks.md)."""
+    reqs: list[int] = []
+    firsts: list[int] = []
+    ends: list[int] = []
+    end = 0
+    for req, length in enumerate(extend_seq_lens):
+        start, end = end, end + length
+        if length == 0 or (skip is not None and skip[req]):
+            continue
+        count = -(-length // block_q)
+        reqs += [req] * count
+        firsts += range(start + (count - 1) * block_q, start - 1, -block_q)  # last tile first
+        ends += [end] * count
+    # surplus tiles: the last request's, empty (first row == end row)
+    pad = -(-num_rows // block_q) + len(extend_seq_lens) - len(reqs)
+    return reqs + [len(extend_seq_lens) - 1] * pad + firsts + [end] * pad + ends + [end] * pad
+
+
 @triton.jit
 def _attend(
     q, pos, last, window, m_i, l_i, acc, kv, start, end, offs_n, offs_d, offs_v,

@@ -31,7 +31,12 @@ from srt.configs.model_config import AttentionLayerSpec
 from srt.forward.forward_batch import ForwardBatch
 from srt.forward.host_device import host_to_device
 from srt.kernels.attention.decode import decode_attention, decode_partials, default_decode_config, num_kv_splits
-from srt.kernels.attention.extend import build_extend_tiles, default_extend_config, extend_attention
+from srt.kernels.attention.extend import (
+    build_extend_tiles,
+    build_extend_tiles_host,
+    default_extend_config,
+    extend_attention,
+)
 from srt.layers.attention.base import AttentionBackend
 from srt.mem_cache.allocator import check_indices, debug_kv_indices
 
@@ -145,9 +150,7 @@ class TritonAttentionBackend(AttentionBackend):
 
         config = default_extend_config(head_dim, num_heads // k_buffer.shape[1], on_gpu, k_buffer.element_size())
         if config.block_q not in meta.tiles:
-            meta.tiles[config.block_q] = build_extend_tiles(
-                meta.extend_seq_lens, num_rows, config.block_q, skip=meta.one_row_requests
-            )
+            meta.tiles[config.block_q] = _tile_table(meta, batch, num_rows, config.block_q)
         extend_attention(
             q,
             out,
@@ -171,6 +174,19 @@ class TritonAttentionBackend(AttentionBackend):
             _decode(q[index], one_row_out, meta.one_row, kv)
             out.index_copy_(0, index, one_row_out)
         return out
+
+
+def _tile_table(meta: TritonAttentionMetadata, batch: ForwardBatch, num_rows: int, block_q: int) -> torch.Tensor:
+    """The extend kernel's tile table: from the host's lists in one pinned copy where the step is not being
+    captured (an eager step: its host launches come before the GPU has work), else built on the device from the
+    step's tensors (a captured graph recomputes it from each replay's inputs)."""
+    lens = batch.extend_seq_lens_cpu
+    if lens and not (meta.positions.is_cuda and torch.cuda.is_current_stream_capturing()):
+        skip = [n == 1 for n in lens] if meta.one_row_requests is not None else None
+        flat = build_extend_tiles_host(lens, num_rows, block_q, skip)
+        (table,) = host_to_device([flat], meta.positions.device, torch.int32)
+        return table.view(3, -1)
+    return build_extend_tiles(meta.extend_seq_lens, num_rows, block_q, skip=meta.one_row_requests)
 
 
 def _image_last_visible(batch: ForwardBatch) -> torch.Tensor | None:

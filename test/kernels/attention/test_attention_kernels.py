@@ -12,6 +12,7 @@ Gemma 4 shapes (head_dim 256 and 512, bf16) and the tiny checkpoint's greedy out
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ import torch
 from srt.configs.model_config import FULL, SLIDING, AttentionLayerSpec
 from srt.forward.forward_batch import ForwardBatch, ForwardMode
 from srt.kernels.attention import decode as decode_kernels
-from srt.kernels.attention.extend import build_extend_tiles
+from srt.kernels.attention.extend import build_extend_tiles, build_extend_tiles_host
 from srt.kernels.kv_quant import to_buffer
 from srt.layers.attention import create_attention_backend
 from srt.layers.attention.triton_backend import TritonAttentionBackend
@@ -329,6 +330,20 @@ def test_extend_tiles_skip_the_requests_left_to_the_decode_kernel() -> None:
         [4, 0, 10, 6, 14, 14, 14, 14],
         [5, 5, 14, 14, 14, 14, 14, 14],
     ]
+
+
+def test_extend_tiles_from_the_host_lists_equal_the_device_build() -> None:
+    """`build_extend_tiles_host` (eager steps) gives the table `build_extend_tiles` (captured steps) builds, with
+    and without skipped requests, empty requests and padded rows (a graph's num_rows above the real ones)."""
+    rng = random.Random(7)
+    for _ in range(200):
+        lens = [rng.choice([0, 1, 1, rng.randint(1, 40)]) for _ in range(rng.randint(1, 6))]
+        skip = [n == 1 and rng.random() < 0.7 for n in lens] if rng.random() < 0.5 else None
+        num_rows, block_q = sum(lens) + rng.choice([0, 0, 5]), rng.choice([1, 4, 16, 32])
+        skip_tensor = None if skip is None else torch.tensor(skip, device=DEVICE)
+        device = build_extend_tiles(torch.tensor(lens, device=DEVICE), num_rows, block_q, skip=skip_tensor)
+        host = build_extend_tiles_host(lens, num_rows, block_q, skip)
+        assert host == device.cpu().flatten().tolist(), (lens, skip, num_rows, block_q)
 
 
 def test_decode_split_count_fills_the_gpu_and_is_bounded() -> None:
