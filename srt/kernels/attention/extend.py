@@ -20,8 +20,9 @@ M x N scores over the full head_dim), so that the fp32 accumulator M x head_dim 
 FP8 K/V (`--kv-cache-dtype fp8_e4m3`): blocks load as float8_e4m3fn and are widened to the query's dtype in
 registers; k_scale multiplies the scores and v_scale the output, the same sums as dequantizing every element.
 
-The tile table lives on the device and is built without reading anything back: its length is an upper bound
-(cdiv(rows, BLOCK_Q) + requests); surplus tiles cover no rows and do no work.
+The tile table's length is an upper bound (cdiv(rows, BLOCK_Q) + requests); surplus tiles cover no rows and do
+no work. A captured step builds it on the device from its tensors, reading nothing back
+(`build_extend_tiles`); an eager step from the host's lists, copied in one go (`build_extend_tiles_host`).
 """
 
 from __future__ import annotations
