@@ -109,7 +109,7 @@ def build_extend_tiles_host(
 ) -> list[int]:
     """`build_extend_tiles`' table from the host's lists, flattened (requests, first rows, end rows): the same
     values with no kernel, for a step whose lengths the host knows and that no CUDA graph captures. On an H100
-    the device build's ~25 small kernels cost an eager 8k prompt step ~1.5 ms of host launches before its first
+    the device build's ~28 small kernels cost an eager 8k prompt step ~1.5 ms of host launches before its first
     attention, GPU idle where no step ran before it (docs/benchmarks.md)."""
     reqs: list[int] = []
     firsts: list[int] = []
