@@ -292,6 +292,34 @@ def test_padded_draft_and_verify_steps_change_nothing(tiny_checkpoint) -> None:
     assert_idle_and_consistent(scheduler)
 
 
+def test_prompt_chunks_beside_verify_items_take_padded_token_steps(tiny_checkpoint) -> None:
+    """A prompt chunk beside speculating requests (K + 1 logits rows each: more logits rows than
+    --max-running-requests in all) takes a padded token-count step, as the GPU replays it, not an eager forward
+    (launch-bound on a GPU); every request gives the tokens it gives without MTP."""
+    ids = prompts(4, seed=5, low=20, high=60)
+    requests = [greedy(str(i), p, max_new_tokens=10) for i, p in enumerate(ids)]
+    plain = make_scheduler(tiny_checkpoint("tiny-gemma-4-E4B-it"))
+    expected = {r.rid: run_to_completion(plain, [r])[r.rid].output_ids for r in requests}
+
+    scheduler = mtp_scheduler(tiny_checkpoint, max_running_requests=4, chunked_prefill_size=16)
+    scheduler.runner.capture_cuda_graphs(use_graphs=False)
+    graphs = scheduler.runner.extend_graphs
+    wide_steps: list[bool] = []  # per step with prompt tokens and more logits rows than requests: padded?
+    can_run = graphs.can_run
+
+    def recording_can_run(batch) -> bool:
+        padded = can_run(batch)
+        if not batch.attend_row_by_row and batch.num_tokens > len(batch.logits_rows_cpu) > 4:
+            wide_steps.append(padded)
+        return padded
+
+    graphs.can_run = recording_can_run
+    results = run_to_completion(scheduler, requests)
+    assert {rid: result.output_ids for rid, result in results.items()} == expected
+    assert wide_steps and all(wide_steps), wide_steps
+    assert_idle_and_consistent(scheduler)
+
+
 # ---- GPU: real graphs ----------------------------------------------------------------------------------------
 
 

@@ -172,20 +172,24 @@ class ModelRunner:
         batch_sizes = default_batch_sizes(max_bs)
         pool = torch.cuda.graph_pool_handle() if use_graphs else None
         pools = (self.req_to_token_pool, self.kv_pool)
+        # a speculating request's item in a step has K + 1 logits rows (its newest token and K drafts)
+        rows = self.drafter.num_steps + 1 if self.drafter is not None else 1
         if args.cuda_graph_max_tokens:
             # first: the largest activations, whose memory the smaller graphs then share
             token_counts = default_token_counts(args.cuda_graph_max_tokens, args.max_running_requests)
             self.extend_graphs = ExtendGraphs(
-                self.model, self.attn_backend, *pools, token_counts, args.max_running_requests, use_graphs, pool
-            )
+                self.model, self.attn_backend, *pools, token_counts, args.max_running_requests, use_graphs, pool,
+                logits_per_request=rows,
+            )  # fmt: skip
         self.decode_graphs = DecodeGraphs(self.model, self.attn_backend, *pools, batch_sizes, use_graphs, pool)
         if self.drafter is not None:
-            rows = self.drafter.num_steps + 1
             self.draft_graphs = DraftGraphs(self.drafter, self.attn_backend, *pools, batch_sizes, use_graphs, pool)
-            # verify steps of up to max_bs requests, every token a logits row (R = tokens)
+            # verify steps of up to max_bs requests, every token a logits row (R = tokens); their logits go to the
+            # token-count graphs' buffer (never replayed at the same time)
+            shared = self.extend_graphs.logits_out if self.extend_graphs is not None else None
             self.verify_graphs = ExtendGraphs(
                 self.model, self.attn_backend, *pools, [rows * size for size in batch_sizes], rows * max_bs,
-                use_graphs, pool, attend_row_by_row=True,
+                use_graphs, pool, attend_row_by_row=True, logits_out=shared,
             )  # fmt: skip
         text_model = self.model.model
         if text_model.yoco_layer is not None:
