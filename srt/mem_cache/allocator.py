@@ -29,16 +29,16 @@ class TokenSlotAllocator:
         self._free = torch.arange(1, size + 1, dtype=torch.int64, device=self.device)
 
     def available(self) -> int:
-        return len(self._free)
+        return self._free.shape[0]  # not len(): Tensor.__len__ is Python, asked several times a step
 
     def alloc(self, count: int) -> torch.Tensor:
-        if count > len(self._free):
-            raise OutOfSlotsError(f"asked for {count} KV slots, {len(self._free)} free of {self.size}")
+        if count > self._free.shape[0]:
+            raise OutOfSlotsError(f"asked for {count} KV slots, {self._free.shape[0]} free of {self.size}")
         slots, self._free = self._free[:count], self._free[count:]
         return slots
 
     def free(self, slots: torch.Tensor) -> None:
-        if len(slots):
+        if slots.shape[0]:
             self._free = torch.cat([self._free, slots.to(device=self.device, dtype=torch.int64)])
 
     def free_slots(self) -> torch.Tensor:
@@ -110,7 +110,7 @@ class SWATokenAllocator:
         at or after its `swa_freed_upto`), so the free list grows by exactly their number. Otherwise the
         unmapped ones are masked out, and the mask's count is a read-back the host waits for on a GPU.
         """
-        if not len(full_slots):
+        if not full_slots.shape[0]:
             return
         swa_slots = self.full_to_swa[full_slots]
         if not all_hold_swa:
