@@ -48,9 +48,10 @@ def combine_per_layer_inputs_reference(
 ) -> torch.Tensor:
     """The torch ops of `combine_per_layer_inputs`."""
     tokens, ple_dim = projected.shape[0], norm_weight.shape[0]
-    normed = rms_norm_reference((projected * projected_scale).view(tokens, -1, ple_dim), norm_weight, eps)
-    rows = scaled_embedding_reference(table, input_ids, table_scale).view(tokens, -1, ple_dim)
-    return (normed + rows) * 2.0**-0.5
+    layers = projected.shape[1] // ple_dim  # the table may hold more: its leading layers' columns are used
+    normed = rms_norm_reference((projected * projected_scale).view(tokens, layers, ple_dim), norm_weight, eps)
+    rows = scaled_embedding_reference(table, input_ids, table_scale)[:, : layers * ple_dim]
+    return (normed + rows.view(tokens, layers, ple_dim)) * 2.0**-0.5
 
 
 def combine_per_layer_inputs(

@@ -10,7 +10,7 @@ YOCO fast prefill (E2B, E4B): the KV-shared layers write no KV, so nothing later
 whose logits nobody needs. Before the first of them the batch shrinks to its logits rows:
 
     layers 0 .. first_shared-1   every row (they write the KV every later row reads)
-    gather logits_rows           hidden, per-layer inputs; ForwardBatch.select_rows + metadata
+    gather logits_rows           hidden, per-layer inputs (made for these rows alone); ForwardBatch.select_rows
     layers first_shared .. end   logits rows only, each attending over its request's whole prefix
     final norm, LM head          logits rows
 
@@ -26,6 +26,7 @@ import logging
 from typing import NamedTuple, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from srt import envs
@@ -99,14 +100,21 @@ class Gemma4TextModel(nn.Module):
                 YOCO_ENV,
             )
 
-    def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        """[tokens, layers, ple_dim]: (normed projection of the embedding + token's own PLE row) / sqrt(2)."""
+    def per_layer_inputs(
+        self, input_ids: torch.Tensor, embeds: torch.Tensor, layers: int | None = None
+    ) -> torch.Tensor:
+        """[tokens, layers, ple_dim]: (normed projection of the embedding + token's own PLE row) / sqrt(2), of the
+        first `layers` layers (None: every layer)."""
         table = self.embed_tokens_per_layer
         rows, ids = table.weight, input_ids
         if table.tp_size > 1:  # the rows of a vocab-parallel table, gathered: a table indexed by token position
             rows, ids = table.rows(input_ids), torch.arange(len(input_ids), device=input_ids.device)
+        weight = self.per_layer_model_projection.weight
+        if layers is not None:  # the layers' leading columns of the projection and the table
+            width = layers * self.ple_dim
+            weight, rows = weight[:width], rows[:, :width]
         return combine_per_layer_inputs(
-            self.per_layer_model_projection(embeds),
+            F.linear(embeds, weight),
             self.config.hidden_size**-0.5,
             self.per_layer_projection_norm.weight,
             self.per_layer_projection_norm.eps,
@@ -115,10 +123,8 @@ class Gemma4TextModel(nn.Module):
             ids,
         )
 
-    def embed(
-        self, input_ids: torch.Tensor, images: ImageEmbeds | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Scaled token embeddings and, on PLE checkpoints, the per-layer inputs of every layer.
+    def embed(self, input_ids: torch.Tensor, images: ImageEmbeds | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scaled token embeddings, and the ids whose per-layer rows the per-layer inputs take.
 
         `images`: rows that take image embeddings. As in transformers, their per-layer inputs combine the pad
         token's per-layer row with the projection of the image embedding."""
@@ -127,7 +133,7 @@ class Gemma4TextModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if images is not None:
             hidden = hidden.index_copy(0, images.rows, images.embeddings.to(hidden.dtype))
-        return hidden, self.per_layer_inputs(input_ids, hidden) if self.ple_dim else None
+        return hidden, input_ids
 
     def run_layers(
         self,
@@ -162,17 +168,25 @@ class Gemma4TextModel(nn.Module):
     ) -> TextModelOutput:
         """Final-norm hidden states of the batch's logits rows; attention metadata must be built for `batch`.
         `images`: the batch's image rows and their embeddings (multimodal checkpoints)."""
-        hidden, per_layer = self.embed(batch.input_ids, images)
+        hidden, ple_ids = self.embed(batch.input_ids, images)
         all_rows = batch.every_row_is_a_logits_row
         if self.yoco_layer is None or all_rows:
             # with every row needed (decode, verify, all prompt logprobs) YOCO has nothing to save
+            per_layer = self.per_layer_inputs(ple_ids, hidden) if self.ple_dim else None
             hidden = self.run_layers(hidden, per_layer, batch, backend, range(len(self.layers)))
             return TextModelOutput(self.norm(hidden if all_rows else hidden[batch.logits_rows]), 0)
 
-        hidden = self.run_layers(hidden, per_layer, batch, backend, range(self.yoco_layer))
         rows = batch.logits_rows
+        per_layer = shared_per_layer = None
+        if self.ple_dim:
+            # every row takes the first part's per-layer inputs, the logits rows alone the KV-shared layers'
+            # (E4B: 18 of 42 layers' projection and table rows not made for an 8k prompt's other rows)
+            if batch.logits_rows_cpu:
+                shared_per_layer = self.per_layer_inputs(ple_ids[rows], hidden[rows])
+            per_layer = self.per_layer_inputs(ple_ids, hidden, layers=self.yoco_layer)
+        hidden = self.run_layers(hidden, per_layer, batch, backend, range(self.yoco_layer))
         hidden = hidden[rows]
-        per_layer = per_layer[rows] if per_layer is not None else None
+        per_layer = shared_per_layer
         shared = batch.logits_batch()
         skipped = batch.num_tokens - shared.num_tokens
         if not shared.num_tokens:
