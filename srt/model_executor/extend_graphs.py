@@ -5,7 +5,8 @@ costs the host tens of microseconds (E4B, one 512-token prompt: 31.7 ms against 
 up to `max(token_counts)` tokens, from any mix of requests (decode rows, prompt chunks, prefix-hit tails,
 speculative verify rows; each request's rows contiguous), instead replays the graph captured for the smallest
 token count that holds it. What a graph of T tokens reads, R = min(T, --max-running-requests) and
-L = min(T, R_max x logits rows per request: K + 1 with MTP, whose verify items need a row per draft, else 1):
+L = min(T, --max-running-requests x the logits rows a request may have: K + 1 with MTP, whose verify items
+need a row per draft, else 1):
 
     tokens    [T]      input id, position, KV slot               padding: id 0, position 0, slot 0
     requests  [R + 1]  req_to_token row, seq_len, prefix, new tokens
@@ -13,15 +14,15 @@ L = min(T, R_max x logits rows per request: K + 1 with MTP, whose verify items n
                        row, seq_len 1: each padding token sees only slot 0); n+1 .. R: no tokens
     logits    [L]      the row, and that row's request row, seq_len and position     padding: row 0, slot 0
 
-Attention runs the extend kernel over a tile table built on the device from the requests' token counts (its
-length depends only on T and R: `kernels/attention/extend.py`). With YOCO the KV-shared layers then run on
+Attention runs the extend kernel over a tile table built on the device from the requests' token counts when
+captured (its length depends only on T and R: `kernels/attention/extend.py`). With YOCO the KV-shared layers then run on
 the L logits rows, one row each, as `SharedLayerGraphs` runs them. Logits rows past the batch's own are
 computed and dropped.
 
 Every graph writes its logits into one shared buffer ([L, vocab] float32 each would be 64 MB per graph at E4B's
 vocabulary, 256 MB with MTP), which the MTP verify steps' graphs share too: read a step's outputs before the
-next forward, as with the decode graphs. Without graphs
-(`use_graphs=False`: CPU tests) the same padded step runs eagerly.
+next forward, as with the decode graphs. Without graphs (`use_graphs=False`: CPU tests) the same padded step
+runs eagerly.
 """
 
 from __future__ import annotations
