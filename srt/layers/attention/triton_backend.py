@@ -69,7 +69,7 @@ class TritonAttentionMetadata:
     last_visible: torch.Tensor | None = None
     # extend kernel beside the decode kernel (a mixed step): the requests of one row, which get no tile and
     # whose rows (`one_row`: the decode kernel's metadata, positions those rows') the decode kernel computes
-    one_row_requests: torch.Tensor | None = None  # [requests] bool
+    one_row_requests: list[bool] | None = None  # per request, on the host
     one_row: TritonAttentionMetadata | None = None
     one_row_index: torch.Tensor | None = None  # [one-row rows] their rows in the batch
     # made at the first layer that needs them, reused by the others
@@ -180,13 +180,13 @@ def _tile_table(meta: TritonAttentionMetadata, batch: ForwardBatch, num_rows: in
     """The extend kernel's tile table: from the host's lists in one pinned copy where the step is not being
     captured (an eager step: its host launches come before the GPU has work), else built on the device from the
     step's tensors (a captured graph recomputes it from each replay's inputs)."""
-    lens = batch.extend_seq_lens_cpu
+    lens, skip = batch.extend_seq_lens_cpu, meta.one_row_requests
     if lens and not (meta.positions.is_cuda and torch.cuda.is_current_stream_capturing()):
-        skip = [n == 1 for n in lens] if meta.one_row_requests is not None else None
         flat = build_extend_tiles_host(lens, num_rows, block_q, skip)
         (table,) = host_to_device([flat], meta.positions.device, torch.int32)
         return table.view(3, -1)
-    return build_extend_tiles(meta.extend_seq_lens, num_rows, block_q, skip=meta.one_row_requests)
+    device_skip = None if skip is None else meta.extend_seq_lens == 1
+    return build_extend_tiles(meta.extend_seq_lens, num_rows, block_q, skip=device_skip)
 
 
 def _image_last_visible(batch: ForwardBatch) -> torch.Tensor | None:
@@ -252,10 +252,10 @@ def _split_one_row_requests(meta: TritonAttentionMetadata, batch: ForwardBatch) 
     """Give the one-row requests of a mixed batch to the decode kernel (module docstring), from the host lists
     (a graph is captured on padding whose requests all have several rows or none: its steps never split)."""
     starts = batch.extend_start_loc_cpu
-    requests = [i for i, n in enumerate(batch.extend_seq_lens_cpu) if n == 1]
+    meta.one_row_requests = [n == 1 for n in batch.extend_seq_lens_cpu]
+    requests = [i for i, one_row in enumerate(meta.one_row_requests) if one_row]
     # one pinned copy that the host does not wait for (an eager step's, never a captured one's)
     which, index = host_to_device([requests, [starts[i] for i in requests]], batch.seq_lens.device)
-    meta.one_row_requests = batch.extend_seq_lens == 1
     meta.one_row_index = index
     meta.one_row = _decode_rows(batch, which, batch.positions[index])
 

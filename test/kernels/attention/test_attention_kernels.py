@@ -208,7 +208,7 @@ def test_mixed_step_gives_one_row_requests_to_the_decode_kernel(sliding_kv: int,
     probe = dataclasses.replace(batch)
     create_attention_backend("triton").init_forward_metadata(probe)
     assert probe.attn_metadata.one_row_index.tolist() == [0, 13, 14, 15]  # the one-row requests' rows
-    assert probe.attn_metadata.one_row_requests.tolist() == [True, False, True, True, True]
+    assert probe.attn_metadata.one_row_requests == [True, False, True, True, True]
     compare_backends(state, batch)
     state.check_integrity()
 
