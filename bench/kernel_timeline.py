@@ -30,7 +30,11 @@ class Kernel(NamedTuple):
 
 
 def load_kernels(trace: Path) -> list[Kernel]:
-    events = json.loads(trace.read_text())["traceEvents"]
+    return kernels_of(json.loads(trace.read_text())["traceEvents"])
+
+
+def kernels_of(events: list[dict]) -> list[Kernel]:
+    """The device kernels, copies and memsets of a Chrome trace's events, in start order."""
     kernels = [
         Kernel(short_name(e["name"]), float(e["ts"]), float(e["ts"]) + float(e["dur"]))
         for e in events

@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from kernel_timeline import critical_path, load_kernels
+from kernel_timeline import critical_path, kernels_of
 from profile_host_gap import decoding_scheduler
 
 from srt.managers.io_struct import TokenizedGenerateReq
@@ -68,15 +68,14 @@ def main() -> None:
         scheduler.step()
     wave("warm")  # compiles and first-time allocations
     sites: Counter[str] = Counter()
-    if args.sync_sites and torch.cuda.is_available():
+    on_gpu = torch.cuda.is_available()
+    if args.sync_sites and on_gpu:
         warnings.showwarning = lambda *a, **k: sites.update([_srt_frame()])
         torch.cuda.set_sync_debug_mode("warn")
-    activity = (
-        torch.profiler.ProfilerActivity.CUDA if torch.cuda.is_available() else torch.profiler.ProfilerActivity.CPU
-    )
+    activity = torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU
     with torch.profiler.profile(activities=[activity]) as prof:
         reads = wave("timed")
-    if args.sync_sites and torch.cuda.is_available():
+    if args.sync_sites and on_gpu:
         torch.cuda.set_sync_debug_mode(0)
     prof.export_chrome_trace(args.trace)
     report(reads, args.trace)
@@ -98,10 +97,10 @@ def report(reads: list[float], trace: str) -> None:
 def busy_and_idle(trace: Path) -> list[tuple[float, float]]:
     """(us of kernels on the critical path, us with no kernel running) between consecutive READ_MARKs of a
     torch.profiler trace; [] without kernels."""
-    path = critical_path(load_kernels(trace))
+    events = json.loads(trace.read_text())["traceEvents"]
+    path = critical_path(kernels_of(events))
     if not path:
         return []
-    events = json.loads(trace.read_text())["traceEvents"]
     marks = sorted(float(e["ts"]) for e in events if e.get("name") == READ_MARK)
     windows = []
     for lo, hi in zip(marks, marks[1:]):
