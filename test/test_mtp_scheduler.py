@@ -129,28 +129,33 @@ def test_different_acceptance_per_request_in_one_batch(tiny_checkpoint, monkeypa
     assert_idle_and_consistent(scheduler)
 
 
-def test_triton_verify_steps_attend_row_by_row(tiny_checkpoint) -> None:
-    """The Triton backend (interpreted on CPU) runs verify steps with the decode kernel, one row at a time over
-    each request's prefix: the outputs of the reference backend without MTP."""
+@pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded"])
+def test_triton_verify_steps_attend_a_requests_rows_together(tiny_checkpoint, padded: bool) -> None:
+    """The Triton backend (interpreted on CPU) runs verify steps with the verify kernel, each request's K + 1 rows
+    together over its prefix, as laid out by the scheduler and as the verify graphs pad them (every token a
+    logits row, through every layer): the outputs of the reference backend without MTP."""
     ids = prompts(2, seed=51, low=18, high=30)
     requests = [greedy(str(i), p, max_new_tokens=7) for i, p in enumerate(ids)]
     plain = make_scheduler(tiny_checkpoint("tiny-gemma-4-E4B-it"))
     expected = {r.rid: run_to_completion(plain, [r])[r.rid].output_ids for r in requests}
-    scheduler = mtp_scheduler(tiny_checkpoint, attention_backend="triton")
+    scheduler = mtp_scheduler(tiny_checkpoint, attention_backend="triton", max_running_requests=4)
+    if padded:
+        scheduler.runner.capture_cuda_graphs(use_graphs=False)
     continuations = {r.rid: list(r.input_ids) + expected[r.rid] for r in requests}
     knowing_drafter(scheduler, continuations, scheduler.runner.model_config.vocab_size)
-    row_by_row = []
+    verify_rows = []
     init = scheduler.runner.attn_backend.init_forward_metadata
 
     def spy(batch) -> None:
         init(batch)
-        if batch.attend_row_by_row:
-            row_by_row.append(batch.attn_metadata.row_seq_lens.tolist() == (batch.positions + 1).tolist())
+        if batch.verify_rows:
+            verify_rows.append(batch.attn_metadata.verify_rows)
 
     scheduler.runner.attn_backend.init_forward_metadata = spy
     results = run_to_completion(scheduler, requests)
     assert {rid: result.output_ids for rid, result in results.items()} == expected
-    assert row_by_row and all(row_by_row)
+    # K + 1 rows, fewer where max_new_tokens leaves fewer drafts to verify
+    assert K + 1 in verify_rows and set(verify_rows) <= set(range(2, K + 2))
     assert_idle_and_consistent(scheduler)
 
 
@@ -309,7 +314,7 @@ def test_prompt_chunks_beside_verify_items_take_padded_token_steps(tiny_checkpoi
 
     def recording_can_run(batch) -> bool:
         padded = can_run(batch)
-        if not batch.attend_row_by_row and batch.num_tokens > len(batch.logits_rows_cpu) > 4:
+        if not batch.verify_rows and batch.num_tokens > len(batch.logits_rows_cpu) > 4:
             wide_steps.append(padded)
         return padded
 

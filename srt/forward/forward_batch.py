@@ -61,9 +61,10 @@ class ForwardBatch:
     # lists cannot describe the batch it replays, and whose padded logits rows are not "every row in order" even
     # when there are as many as tokens); without it `logits_batch()` derives it with `select_rows`
     logits_subset: ForwardBatch | None = None
-    # attention runs each query row alone over its request's KV up to its position (a few rows per request over
-    # a long prefix: speculative verify steps); only a hint for the kernel choice, the result is the same
-    attend_row_by_row: bool = False
+    # a speculative verify step (a few rows per request over a long prefix: the newest token and its drafts): the
+    # most rows a request has, which attention takes together over the KV they share; 0 otherwise. Only a hint
+    # for the kernel choice, the result is the same
+    verify_rows: int = 0
     # rows that take image embeddings and each request's image spans (None: a text-only batch)
     mm: MultimodalBatch | None = None
 

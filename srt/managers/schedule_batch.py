@@ -155,8 +155,9 @@ class ScheduleBatch:
         )
         if unread and not every_row_unread:
             batch.input_ids[:unread] = input_ids  # the decode items lead, one row each
-        # a verify step (decode rows, some with drafts): a few rows per request, each attending alone
-        batch.attend_row_by_row = all(item.decode for item in self.items) and any(i.num_drafts for i in self.items)
+        # a verify step (decode rows, some with drafts): a few rows per request, attending together
+        if all(item.decode for item in self.items) and any(item.num_drafts for item in self.items):
+            batch.verify_rows = max(item.num_tokens for item in self.items)
         items = self.items
         if any(item.req.params.mm_inputs is not None for item in items):
             spans = [(item.req.params.mm_inputs, item.req.kv_len, item.req.kv_len + item.num_tokens) for item in items]

@@ -59,16 +59,17 @@ class ExtendGraphs:
         max_requests: int,
         use_graphs: bool,
         pool: tuple | None = None,
-        attend_row_by_row: bool = False,
+        verify_rows: int = 0,
         logits_per_request: int = 1,
         logits_out: torch.Tensor | None = None,
     ) -> None:
-        """`attend_row_by_row`: attention runs each token alone (speculative verify steps: `ForwardBatch`).
-        `logits_per_request`: logits rows a request may have (K + 1 for MTP verify items). `logits_out`: a
-        [rows, vocab] float32 buffer to write logits into, shared with graphs never replayed at the same time
-        (used where it has rows enough)."""
+        """`verify_rows`: the graphs of speculative verify steps (`ForwardBatch.verify_rows`: K + 1), whose every
+        token is a logits row, padding included, so that the whole step runs on one batch. `logits_per_request`:
+        logits rows a request may have (K + 1 for MTP verify items). `logits_out`: a [rows, vocab] float32 buffer
+        to write logits into, shared with graphs never replayed at the same time (used where it has rows
+        enough)."""
         self.model, self.backend = model, backend
-        self.attend_row_by_row = attend_row_by_row
+        self.verify_rows = verify_rows
         self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
         self.max_requests = max_requests
         self.max_logits_rows = max_requests * logits_per_request
@@ -144,6 +145,12 @@ class ExtendGraphs:
             extend_seq_lens_cpu=[1] * rows,
             logits_rows_cpu=list(range(rows)),
         )
+        if self.verify_rows:
+            # every token a logits row, in order (padding rows' logits are dropped): one batch through every
+            # layer, whose attention takes each request's rows together, KV-shared layers included
+            logits_view["rows"] = torch.arange(tokens, device=self.kv_pool.device)
+            host = {**host, "logits_rows": list(range(tokens))}
+            logits_batch = None
         batch = ForwardBatch(
             mode=ForwardMode.EXTEND,
             input_ids=token_view["input_ids"],
@@ -162,7 +169,7 @@ class ExtendGraphs:
             logits_rows_cpu=host["logits_rows"],
             # laid out here, padded: never "every row in order", even with as many logits rows as tokens
             logits_subset=logits_batch,
-            attend_row_by_row=self.attend_row_by_row,
+            verify_rows=self.verify_rows,
         )
         out = self.model(batch, self.backend)
         logits = self.logits_out[:rows]

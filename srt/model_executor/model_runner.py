@@ -189,7 +189,7 @@ class ModelRunner:
             shared = self.extend_graphs.logits_out if self.extend_graphs is not None else None
             self.verify_graphs = ExtendGraphs(
                 self.model, self.attn_backend, *pools, [rows * size for size in batch_sizes], rows * max_bs,
-                use_graphs, pool, attend_row_by_row=True, logits_out=shared,
+                use_graphs, pool, verify_rows=rows, logits_out=shared,
             )  # fmt: skip
         text_model = self.model.model
         if text_model.yoco_layer is not None:
@@ -230,8 +230,8 @@ class ModelRunner:
         if self.decode_graphs is not None and self.decode_graphs.can_run(batch):
             return self.decode_graphs(batch)
         # a batch with image rows runs eagerly: its embeddings come from the vision tower, outside any graph
-        # verify steps (rows attending one by one) replay their own graphs; prompts keep the token-count ones
-        verify = batch.attend_row_by_row and self.verify_graphs is not None
+        # verify steps (a request's rows attending together) replay their own graphs; prompts the token-count ones
+        verify = batch.verify_rows > 0 and self.verify_graphs is not None
         if batch.mm is None and verify and self.verify_graphs.can_run(batch):
             output = self.verify_graphs(batch)
         elif batch.mm is None and self.extend_graphs is not None and self.extend_graphs.can_run(batch):

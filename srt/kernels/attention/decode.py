@@ -185,13 +185,18 @@ def _decode_combine_kernel(
     NUM_SPLITS: tl.constexpr,
     SLIDING: tl.constexpr,
     USE_PDL: tl.constexpr,
+    ALL_SPLITS: tl.constexpr = False,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    kv_start, kv_end = row_kv_bounds(tl.load(positions_ptr + row), tl.load(row_seq_lens_ptr + row), window, SLIDING)
-    split_len = _split_len(kv_start, kv_end, NUM_SPLITS, BLOCK_N)
-    # splits past the last one that holds KV wrote nothing worth reading
-    active = tl.cdiv(tl.maximum(kv_end - kv_start, 0), tl.maximum(split_len, 1))
+    if ALL_SPLITS:  # splits of a tile of rows (`verify.py`): every split wrote the row's partial, -inf if empty
+        active = NUM_SPLITS
+    else:
+        pos, seq_len = tl.load(positions_ptr + row), tl.load(row_seq_lens_ptr + row)
+        kv_start, kv_end = row_kv_bounds(pos, seq_len, window, SLIDING)
+        split_len = _split_len(kv_start, kv_end, NUM_SPLITS, BLOCK_N)
+        # splits past the last one that holds KV wrote nothing worth reading
+        active = tl.cdiv(tl.maximum(kv_end - kv_start, 0), tl.maximum(split_len, 1))
     pdl_start(USE_PDL)  # the partials come from the kernel ahead; the metadata above does not
 
     base = (row * num_heads + head) * NUM_SPLITS

@@ -2,14 +2,15 @@
 
 Same semantics as `torch_native`: each query row sees its request's KV positions up to its own position
 (and, on sliding layers, no further back than window - 1); sliding layers read the SWA pool through
-`full_to_swa`; KV-shared layers read their owner's buffers (and, FP8 pools, its scales). Two kernels:
+`full_to_swa`; KV-shared layers read their owner's buffers (and, FP8 pools, its scales). Three kernels:
 
 - decode (`kernels/attention/decode.py`): one query row at a time, split-KV with a combine pass. Used for
-  DECODE batches (row i = request i; nothing is read back to the host, so it can run under CUDA graphs), for
-  extend batches whose requests have at most one row each (e.g. YOCO's last-row subsets), and for batches
-  marked `attend_row_by_row` (speculative verify steps: a few rows per request over a long prefix, where the
-  extend kernel would give each request's tile a single program walking the whole prefix). Each row then
-  reads its own request's KV up to its own position (the step stored every new token's KV first).
+  DECODE batches (row i = request i; nothing is read back to the host, so it can run under CUDA graphs) and for
+  extend batches whose requests have at most one row each (e.g. YOCO's last-row subsets).
+- verify (`kernels/attention/verify.py`): split-KV as decode, a request's rows together over the KV they share,
+  for batches with `verify_rows` set (speculative verify steps: a few rows per request over a long prefix,
+  where the extend kernel would give each request's tile a single program walking the whole prefix, and the
+  decode kernel would read the prefix once per row).
 - extend (`kernels/attention/extend.py`): tiles of rows per request, for everything else. In a step that
   mixes requests of one row (decoding requests) with requests of several (prompt chunks), the one-row
   requests go to the decode kernel and only the others get tiles: a one-row request's tile would compute
@@ -37,6 +38,7 @@ from srt.kernels.attention.extend import (
     default_extend_config,
     extend_attention,
 )
+from srt.kernels.attention.verify import verify_attention, verify_tile_rows
 from srt.layers.attention.base import AttentionBackend
 from srt.mem_cache.allocator import check_indices, debug_kv_indices
 
@@ -58,6 +60,8 @@ class TritonAttentionMetadata:
 
     use_decode_kernel: bool
     positions: torch.Tensor  # [rows]
+    # verify kernel (and its tile tables): the most rows a request has (`ForwardBatch.verify_rows`), 0 if unused
+    verify_rows: int = 0
     # decode kernel: the request of each row
     row_pool_indices: torch.Tensor | None = None
     row_seq_lens: torch.Tensor | None = None
@@ -81,18 +85,14 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged-KV attention with Triton kernels; the default on CUDA devices."""
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.attend_row_by_row:
-            # each token's request: the first whose cumulative token count passes it (a search, not
-            # repeat_interleave, which asserts the counts sum to the tokens: a graph is captured on padding)
-            ends = batch.extend_seq_lens.cumsum(0)
-            tokens = torch.arange(batch.num_tokens, device=ends.device)
-            owner = torch.searchsorted(ends, tokens, right=True).clamp_(max=len(ends) - 1)
-            rows = batch.req_pool_indices[owner]
+        if batch.verify_rows:  # rows after every image of their request: no image rows to see ahead
             batch.attn_metadata = TritonAttentionMetadata(
-                use_decode_kernel=True,
+                use_decode_kernel=False,
                 positions=batch.positions,
-                row_pool_indices=rows,
-                row_seq_lens=batch.positions + 1,  # keys 0 .. its position
+                verify_rows=batch.verify_rows,
+                req_pool_indices=batch.req_pool_indices,
+                seq_lens=batch.seq_lens,
+                extend_seq_lens=batch.extend_seq_lens,
             )
             return
         if batch.mode.is_decode() and batch.positions.shape[0] == batch.seq_lens.shape[0]:
@@ -146,6 +146,9 @@ class TritonAttentionBackend(AttentionBackend):
         kv = _LayerKV(k_buffer, v_buffer, req_to_token, full_to_swa, window, k_scale, v_scale)
         if meta.use_decode_kernel:
             _decode(q, out, meta, kv)
+            return out
+        if meta.verify_rows:
+            _verify(q, out, meta, batch, kv)
             return out
 
         config = default_extend_config(head_dim, num_heads // k_buffer.shape[1], on_gpu, k_buffer.element_size())
@@ -238,6 +241,44 @@ def _decode(q: torch.Tensor, out: torch.Tensor, meta: TritonAttentionMetadata, k
         kv.full_to_swa,
         meta.row_pool_indices,
         meta.row_seq_lens,
+        meta.positions,
+        kv.window,
+        splits,
+        partials,
+        default_decode_config(head_dim, q.device.type == "cuda"),
+        kv.k_scale,
+        kv.v_scale,
+    )
+
+
+def _verify(
+    q: torch.Tensor, out: torch.Tensor, meta: TritonAttentionMetadata, batch: ForwardBatch, kv: _LayerKV
+) -> None:
+    """The verify kernel over `meta`'s requests: tiles of their rows (made once per rows-per-tile), splits chosen
+    from the number of requests as decode's from its rows."""
+    num_rows, num_heads, head_dim = q.shape
+    kv_heads = kv.k_buffer.shape[1]
+    rows_per_tile = verify_tile_rows(meta.verify_rows, num_heads // kv_heads)
+    if rows_per_tile not in meta.tiles:
+        meta.tiles[rows_per_tile] = _tile_table(meta, batch, num_rows, rows_per_tile)
+    splits = num_kv_splits(meta.req_pool_indices.shape[0], kv_heads, _num_sms(q.device))
+    partials = None
+    if splits > 1:
+        key = (num_heads, head_dim, splits)
+        if key not in meta.partials:
+            meta.partials[key] = decode_partials(num_rows, num_heads, head_dim, splits, q.device)
+        partials = meta.partials[key]
+    verify_attention(
+        q,
+        out,
+        kv.k_buffer,
+        kv.v_buffer,
+        kv.req_to_token,
+        kv.full_to_swa,
+        meta.tiles[rows_per_tile],
+        rows_per_tile,
+        meta.req_pool_indices,
+        meta.seq_lens,
         meta.positions,
         kv.window,
         splits,

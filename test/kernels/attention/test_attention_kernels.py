@@ -20,6 +20,7 @@ import torch
 from srt.configs.model_config import FULL, SLIDING, AttentionLayerSpec
 from srt.forward.forward_batch import ForwardBatch, ForwardMode
 from srt.kernels.attention import decode as decode_kernels
+from srt.kernels.attention import verify as verify_kernels
 from srt.kernels.attention.extend import build_extend_tiles, build_extend_tiles_host
 from srt.kernels.kv_quant import to_buffer
 from srt.layers.attention import create_attention_backend
@@ -258,6 +259,61 @@ def test_decode_kernel_any_split_count_gives_the_same_output(num_splits: int) ->
             partials,
             decode_kernels.default_decode_config(spec.head_dim, DEVICE.type == "cuda"),
         )
+        torch.testing.assert_close(got, expected, atol=FP32_TOL, rtol=FP32_TOL)
+
+
+def verify_state(sliding_kv: int, full_kv: int, window: int, counts: list[int]) -> tuple[PagedState, ForwardBatch]:
+    """A verify step: requests with long prefixes (split KV) and `counts` rows each (the newest token and its
+    drafts; 1: no drafts left; 0: a graph's padding request), their SWA slots outside every window freed and
+    handed to a filler request, as `test_decode_with_split_kv_matches_torch_native`."""
+    state = PagedState(make_layers(sliding_kv, full_kv, window=window))
+    lengths = [70, 5, 33, 9, 12][: len(counts)]
+    rows = [state.add_request(n) for n in lengths]
+    for row, n in zip(rows, lengths, strict=True):
+        state.free_outside_window(row, max(n + 1 - window, 0))  # the first new row is at position n
+    state.fill_swa(leave=sum(counts))
+    out_loc = torch.cat([state.new_slots(row, n) for row, n in zip(rows, counts, strict=True)])
+    batch = state.batch(ForwardMode.EXTEND, rows, counts, out_loc)
+    batch.verify_rows = max(counts)
+    return state, batch
+
+
+@pytest.mark.parametrize("sliding_kv,full_kv,window", GQA)
+@pytest.mark.parametrize("counts", [[4, 1, 4, 3, 0], [9, 1, 9]], ids=["K3", "K8"])
+def test_verify_rows_attend_together_over_their_prefix(
+    sliding_kv: int, full_kv: int, window: int, counts: list[int]
+) -> None:
+    """The verify kernel takes a request's rows together (K = 8 at GQA 4/1: two tiles of a request), each row
+    masked by its own causal and window bounds: torch_native's outputs, KV-shared layers included."""
+    torch.manual_seed(4)
+    state, batch = verify_state(sliding_kv, full_kv, window, counts)
+    probe = dataclasses.replace(batch)
+    create_attention_backend("triton").init_forward_metadata(probe)
+    assert probe.attn_metadata.verify_rows == max(counts) and not probe.attn_metadata.use_decode_kernel
+    compare_backends(state, batch)
+    state.check_integrity()
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 8])
+def test_verify_kernel_any_split_count_gives_the_same_output(num_splits: int) -> None:
+    torch.manual_seed(5)
+    state, batch = verify_state(2, 1, WINDOW, [4, 1, 4, 3])
+    compare_backends(state, batch)  # writes the step's KV
+    reference = create_attention_backend("torch_native")
+    reference.init_forward_metadata(batch)
+    for spec in state.layers[:2]:
+        q = torch.randn(batch.num_tokens, HEADS, spec.head_dim, device=DEVICE)
+        expected = reference.forward(q, spec, batch)
+        rows_per_tile = verify_kernels.verify_tile_rows(4, HEADS // spec.num_kv_heads)
+        tiles = build_extend_tiles(batch.extend_seq_lens, batch.num_tokens, rows_per_tile)
+        got = torch.full_like(q, float("nan"))
+        k_buffer, v_buffer = state.pool.kv_buffers(spec.layer_id)
+        partials = decode_kernels.decode_partials(batch.num_tokens, HEADS, spec.head_dim, num_splits, DEVICE)
+        verify_kernels.verify_attention(
+            q, got, k_buffer, v_buffer, state.req_to_token.req_to_token, state.allocator.full_to_swa, tiles,
+            rows_per_tile, batch.req_pool_indices, batch.seq_lens, batch.positions, spec.sliding_window, num_splits,
+            partials, decode_kernels.default_decode_config(spec.head_dim, DEVICE.type == "cuda"),
+        )  # fmt: skip
         torch.testing.assert_close(got, expected, atol=FP32_TOL, rtol=FP32_TOL)
 
 
