@@ -189,25 +189,31 @@ def _decode_combine_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    if ALL_SPLITS:  # splits of a tile of rows (`verify.py`): every split wrote the row's partial, -inf if empty
-        active = NUM_SPLITS
+    base = (row * num_heads + head) * NUM_SPLITS
+    offs_s = tl.arange(0, NUM_SPLITS)
+    if ALL_SPLITS:
+        # splits of a tile of rows (`verify.py`): every split wrote the row's partial, -inf where the row saw
+        # nothing; those it saw are contiguous, and the loop below reads only them (a tile's range may hold many)
+        pdl_start(USE_PDL)
+        lse = tl.load(part_lse_ptr + base + offs_s)
+        seen = lse > float("-inf")
+        first = tl.min(tl.where(seen, offs_s, NUM_SPLITS))
+        stop = tl.max(tl.where(seen, offs_s + 1, 0))
     else:
         pos, seq_len = tl.load(positions_ptr + row), tl.load(row_seq_lens_ptr + row)
         kv_start, kv_end = row_kv_bounds(pos, seq_len, window, SLIDING)
         split_len = _split_len(kv_start, kv_end, NUM_SPLITS, BLOCK_N)
         # splits past the last one that holds KV wrote nothing worth reading
-        active = tl.cdiv(tl.maximum(kv_end - kv_start, 0), tl.maximum(split_len, 1))
-    pdl_start(USE_PDL)  # the partials come from the kernel ahead; the metadata above does not
-
-    base = (row * num_heads + head) * NUM_SPLITS
-    offs_s = tl.arange(0, NUM_SPLITS)
-    lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < active, other=float("-inf"))
+        first = 0
+        stop = tl.cdiv(tl.maximum(kv_end - kv_start, 0), tl.maximum(split_len, 1))
+        pdl_start(USE_PDL)  # the partials come from the kernel ahead; the metadata above does not
+        lse = tl.load(part_lse_ptr + base + offs_s, mask=offs_s < stop, other=float("-inf"))
     m = tl.max(lse)
     m = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp2(lse - m))
     offs_d = tl.arange(0, HEAD_DIM)
     acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s in range(0, active):
+    for s in range(first, stop):
         weight = tl.exp2(tl.load(part_lse_ptr + base + s) - m)
         acc += weight * tl.load(part_o_ptr + (base + s) * HEAD_DIM + offs_d)
     out = acc / tl.where(total > 0, total, 1.0)

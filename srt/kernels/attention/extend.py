@@ -20,9 +20,10 @@ M x N scores over the full head_dim), so that the fp32 accumulator M x head_dim 
 FP8 K/V (`--kv-cache-dtype fp8_e4m3`): blocks load as float8_e4m3fn and are widened to the query's dtype in
 registers; k_scale multiplies the scores and v_scale the output, the same sums as dequantizing every element.
 
-The tile table's length is an upper bound (cdiv(rows, BLOCK_Q) + requests); surplus tiles cover no rows and do
-no work. A captured step builds it on the device from its tensors, reading nothing back
-(`build_extend_tiles`); an eager step from the host's lists, copied in one go (`build_extend_tiles_host`).
+The tile table's length is an upper bound (`extend_tile_count`: min(cdiv(rows, BLOCK_Q) + requests, rows), as
+every tile holds a row); surplus tiles cover no rows and do no work. A captured step builds it on the device from
+its tensors, reading nothing back (`build_extend_tiles`); an eager step from the host's lists, copied in one go
+(`build_extend_tiles_host`).
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ def default_extend_config(head_dim: int, group: int, on_gpu: bool, element_size:
     )
 
 
+def extend_tile_count(num_rows: int, block_q: int, requests: int) -> int:
+    """The tile table's length: each request's tiles hold block_q rows but its last, and every tile a row (a
+    padded verify step's many empty requests must not widen the grid)."""
+    return min(triton.cdiv(num_rows, block_q) + requests, num_rows)
+
+
 def build_extend_tiles(
     extend_seq_lens: torch.Tensor, num_rows: int, block_q: int, skip: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -84,8 +91,7 @@ def build_extend_tiles(
 
     Tiles of a request are listed last first (the last rows see the most KV, so they start first). Requests
     with no rows get no tile, nor do those where `skip` ([requests] bool) is set (their rows are left to
-    another kernel). n = cdiv(num_rows, block_q) + requests; tiles past the real count have first row == end
-    row.
+    another kernel). n = `extend_tile_count`; tiles past the real count have first row == end row.
     """
     lens = extend_seq_lens.to(torch.int64)
     device = lens.device
@@ -94,7 +100,7 @@ def build_extend_tiles(
         tiles = tiles.masked_fill(skip, 0)
     tiles_end = torch.cumsum(tiles, 0)
     rows_end = torch.cumsum(lens, 0)
-    n = triton.cdiv(num_rows, block_q) + lens.shape[0]
+    n = extend_tile_count(num_rows, block_q, lens.shape[0])
     index = torch.arange(n, device=device)
     req = torch.searchsorted(tiles_end, index, right=True).clamp_(max=lens.shape[0] - 1)
     k = index - (tiles_end - tiles)[req]  # tile index inside its request
@@ -124,7 +130,7 @@ def build_extend_tiles_host(
         firsts += range(start + (count - 1) * block_q, start - 1, -block_q)  # last tile first
         ends += [end] * count
     # surplus tiles: the last request's, empty (first row == end row)
-    pad = -(-num_rows // block_q) + len(extend_seq_lens) - len(reqs)
+    pad = extend_tile_count(num_rows, block_q, len(extend_seq_lens)) - len(reqs)
     return reqs + [len(extend_seq_lens) - 1] * pad + firsts + [end] * pad + ends + [end] * pad
 
 

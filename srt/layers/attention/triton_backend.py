@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from functools import cache
 
 import torch
+import triton
 
 from srt.configs.model_config import AttentionLayerSpec
 from srt.forward.forward_batch import ForwardBatch
@@ -255,13 +256,15 @@ def _verify(
     q: torch.Tensor, out: torch.Tensor, meta: TritonAttentionMetadata, batch: ForwardBatch, kv: _LayerKV
 ) -> None:
     """The verify kernel over `meta`'s requests: tiles of their rows (made once per rows-per-tile), splits chosen
-    from the number of requests as decode's from its rows."""
+    from the number of tiles as decode's from its rows."""
     num_rows, num_heads, head_dim = q.shape
     kv_heads = kv.k_buffer.shape[1]
     rows_per_tile = verify_tile_rows(meta.verify_rows, num_heads // kv_heads)
     if rows_per_tile not in meta.tiles:
         meta.tiles[rows_per_tile] = _tile_table(meta, batch, num_rows, rows_per_tile)
-    splits = num_kv_splits(meta.req_pool_indices.shape[0], kv_heads, _num_sms(q.device))
+    # from the tiles that hold rows, not from the requests: a padded verify step has as many requests as rows
+    busy_tiles = triton.cdiv(num_rows, meta.verify_rows) * triton.cdiv(meta.verify_rows, rows_per_tile)
+    splits = num_kv_splits(busy_tiles, kv_heads, _num_sms(q.device))
     partials = None
     if splits > 1:
         key = (num_heads, head_dim, splits)

@@ -61,6 +61,23 @@ def test_fp8_decode_with_split_kv_matches_torch_native(sliding_kv: int, full_kv:
     state.pool.check_integrity()
 
 
+@pytest.mark.parametrize("sliding_kv,full_kv,window", GQA)
+def test_fp8_verify_rows_match_torch_native(sliding_kv: int, full_kv: int, window: int) -> None:
+    """A verify step (a request's rows together, `kernels/attention/verify.py`) over FP8 K/V."""
+    torch.manual_seed(12)
+    state = fp8_state(sliding_kv, full_kv, window)
+    lengths, counts = [70, 5, 33], [4, 1, 4]
+    rows = [state.add_request(n) for n in lengths]
+    for row, n in zip(rows, lengths, strict=True):
+        state.free_outside_window(row, max(n + 1 - window, 0))
+    out_loc = torch.cat([state.new_slots(row, n) for row, n in zip(rows, counts, strict=True)])
+    batch = state.batch(ForwardMode.EXTEND, rows, counts, out_loc)
+    batch.verify_rows = max(counts)
+    errors = compare_backends(state, batch)
+    assert max(errors) < FP8_FP32_TOL, errors
+    state.pool.check_integrity()
+
+
 def test_fp8_kv_error_against_unquantized_kv_is_bounded() -> None:
     """The same K/V (N(0, 1)) stored in float32 and in FP8 (scale 1, as without checkpoint scales), scores of unit
     size (q / sqrt(head_dim)): e4m3 keeps 3 mantissa bits (relative rounding error <= 2^-4), so attention
