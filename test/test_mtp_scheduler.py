@@ -19,6 +19,7 @@ from test_cuda_graph_runner import spy_on_steps
 from test_overlap_schedule import drive
 from test_scheduler import assert_idle_and_consistent, greedy, make_scheduler, prompts
 
+from srt.layers.attention import triton_backend
 from srt.managers.inprocess import run_to_completion
 from srt.managers.io_struct import TokenizedGenerateReq
 from srt.managers.scheduler import Scheduler
@@ -129,11 +130,15 @@ def test_different_acceptance_per_request_in_one_batch(tiny_checkpoint, monkeypa
     assert_idle_and_consistent(scheduler)
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["eager", "padded"])
-def test_triton_verify_steps_attend_a_requests_rows_together(tiny_checkpoint, padded: bool) -> None:
+@pytest.mark.parametrize(
+    "padded,together", [(False, True), (True, True), (True, False)], ids=["eager", "padded", "padded_row_by_row"]
+)
+def test_triton_verify_steps_keep_the_outputs(tiny_checkpoint, padded: bool, together: bool, monkeypatch) -> None:
     """The Triton backend (interpreted on CPU) runs verify steps with the verify kernel, each request's K + 1 rows
-    together over its prefix, as laid out by the scheduler and as the verify graphs pad them (every token a
-    logits row, through every layer): the outputs of the reference backend without MTP."""
+    together over its prefix (or, below VERIFY_KERNEL_MIN_REQUESTS requests, the decode kernel row by row), as
+    laid out by the scheduler and as the verify graphs pad them (every token a logits row, through every layer):
+    the outputs of the reference backend without MTP."""
+    monkeypatch.setattr(triton_backend, "VERIFY_KERNEL_MIN_REQUESTS", 1 if together else 100)
     ids = prompts(2, seed=51, low=18, high=30)
     requests = [greedy(str(i), p, max_new_tokens=7) for i, p in enumerate(ids)]
     plain = make_scheduler(tiny_checkpoint("tiny-gemma-4-E4B-it"))
@@ -149,7 +154,8 @@ def test_triton_verify_steps_attend_a_requests_rows_together(tiny_checkpoint, pa
     def spy(batch) -> None:
         init(batch)
         if batch.verify_rows:
-            verify_rows.append(batch.attn_metadata.verify_rows)
+            verify_rows.append(batch.verify_rows)
+            assert batch.attn_metadata.verify_rows == (batch.verify_rows if together else 0)
 
     scheduler.runner.attn_backend.init_forward_metadata = spy
     results = run_to_completion(scheduler, requests)

@@ -10,7 +10,8 @@ Same semantics as `torch_native`: each query row sees its request's KV positions
 - verify (`kernels/attention/verify.py`): split-KV as decode, a request's rows together over the KV they share,
   for batches with `verify_rows` set (speculative verify steps: a few rows per request over a long prefix,
   where the extend kernel would give each request's tile a single program walking the whole prefix, and the
-  decode kernel would read the prefix once per row).
+  decode kernel would read the prefix once per row). Verify steps of fewer than VERIFY_KERNEL_MIN_REQUESTS
+  requests run the decode kernel row by row instead, each row up to its own position.
 - extend (`kernels/attention/extend.py`): tiles of rows per request, for everything else. In a step that
   mixes requests of one row (decoding requests) with requests of several (prompt chunks), the one-row
   requests go to the decode kernel and only the others get tiles: a one-row request's tile would compute
@@ -46,6 +47,11 @@ from srt.mem_cache.allocator import check_indices, debug_kv_indices
 # Without a GPU (the Triton CPU interpreter in tests) pretend to have this many multiprocessors, so that
 # decode still splits the KV of a few short requests.
 INTERPRETER_NUM_SMS = 16
+# Verify steps of fewer requests than this attend row by row with the decode kernel. H100, E4B, K = 3, 512-token
+# contexts (docs/benchmarks.md): at batch 32 the verify kernel took a verify step from 7.70-7.90 to 7.13-7.19 ms,
+# at batch 1 from 4.52-4.57 to 4.66-4.88 ms (its grid's tiles without rows cost more than the 4 rows' reads it
+# saves); between them not measured: 8 is where the reads saved should pass the idle programs' cost.
+VERIFY_KERNEL_MIN_REQUESTS = 8
 
 
 @cache
@@ -86,7 +92,8 @@ class TritonAttentionBackend(AttentionBackend):
     """Paged-KV attention with Triton kernels; the default on CUDA devices."""
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        if batch.verify_rows:  # rows after every image of their request: no image rows to see ahead
+        # verify rows come after every image of their request: no image rows to see ahead
+        if batch.verify_rows and batch.num_tokens >= VERIFY_KERNEL_MIN_REQUESTS * batch.verify_rows:
             batch.attn_metadata = TritonAttentionMetadata(
                 use_decode_kernel=False,
                 positions=batch.positions,
@@ -94,6 +101,19 @@ class TritonAttentionBackend(AttentionBackend):
                 req_pool_indices=batch.req_pool_indices,
                 seq_lens=batch.seq_lens,
                 extend_seq_lens=batch.extend_seq_lens,
+            )
+            return
+        if batch.verify_rows:
+            # each row alone: its request the first whose cumulative token count passes it (a search, not
+            # repeat_interleave, which asserts the counts sum to the tokens: a graph is captured on padding)
+            ends = batch.extend_seq_lens.cumsum(0)
+            tokens = torch.arange(batch.num_tokens, device=ends.device)
+            owner = torch.searchsorted(ends, tokens, right=True).clamp_(max=len(ends) - 1)
+            batch.attn_metadata = TritonAttentionMetadata(
+                use_decode_kernel=True,
+                positions=batch.positions,
+                row_pool_indices=batch.req_pool_indices[owner],
+                row_seq_lens=batch.positions + 1,  # keys 0 .. its position
             )
             return
         if batch.mode.is_decode() and batch.positions.shape[0] == batch.seq_lens.shape[0]:

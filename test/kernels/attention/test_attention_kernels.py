@@ -23,7 +23,7 @@ from srt.kernels.attention import decode as decode_kernels
 from srt.kernels.attention import verify as verify_kernels
 from srt.kernels.attention.extend import build_extend_tiles, build_extend_tiles_host
 from srt.kernels.kv_quant import to_buffer
-from srt.layers.attention import create_attention_backend
+from srt.layers.attention import create_attention_backend, triton_backend
 from srt.layers.attention.triton_backend import TritonAttentionBackend
 from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.kv_cache_dtype import KVScales
@@ -280,16 +280,20 @@ def verify_state(sliding_kv: int, full_kv: int, window: int, counts: list[int]) 
 
 @pytest.mark.parametrize("sliding_kv,full_kv,window", GQA)
 @pytest.mark.parametrize("counts", [[4, 1, 4, 3, 0], [9, 1, 9]], ids=["K3", "K8"])
-def test_verify_rows_attend_together_over_their_prefix(
-    sliding_kv: int, full_kv: int, window: int, counts: list[int]
+@pytest.mark.parametrize("together", [True, False], ids=["verify_kernel", "row_by_row"])
+def test_verify_rows_match_torch_native(
+    sliding_kv: int, full_kv: int, window: int, counts: list[int], together: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The verify kernel takes a request's rows together (K = 8 at GQA 4/1: two tiles of a request), each row
-    masked by its own causal and window bounds: torch_native's outputs, KV-shared layers included."""
+    masked by its own causal and window bounds; a step of fewer requests than VERIFY_KERNEL_MIN_REQUESTS runs
+    the decode kernel row by row: torch_native's outputs either way, KV-shared layers included."""
+    monkeypatch.setattr(triton_backend, "VERIFY_KERNEL_MIN_REQUESTS", 1 if together else 100)
     torch.manual_seed(4)
     state, batch = verify_state(sliding_kv, full_kv, window, counts)
     probe = dataclasses.replace(batch)
     create_attention_backend("triton").init_forward_metadata(probe)
-    assert probe.attn_metadata.verify_rows == max(counts) and not probe.attn_metadata.use_decode_kernel
+    assert probe.attn_metadata.verify_rows == (max(counts) if together else 0)
+    assert probe.attn_metadata.use_decode_kernel != together
     compare_backends(state, batch)
     state.check_integrity()
 

@@ -16,7 +16,7 @@ from test_attention_kernels import DEVICE, GQA, WINDOW, PagedState, compare_back
 
 from srt.forward.forward_batch import ForwardMode
 from srt.kernels.kv_quant import FP8_KV_DTYPE
-from srt.layers.attention import create_attention_backend
+from srt.layers.attention import create_attention_backend, triton_backend
 from srt.mem_cache.kv_cache_dtype import KVScales
 
 SCALES = {0: KVScales(0.5, 2.0), 1: KVScales(0.125, 0.25)}
@@ -62,8 +62,11 @@ def test_fp8_decode_with_split_kv_matches_torch_native(sliding_kv: int, full_kv:
 
 
 @pytest.mark.parametrize("sliding_kv,full_kv,window", GQA)
-def test_fp8_verify_rows_match_torch_native(sliding_kv: int, full_kv: int, window: int) -> None:
+def test_fp8_verify_rows_match_torch_native(
+    sliding_kv: int, full_kv: int, window: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A verify step (a request's rows together, `kernels/attention/verify.py`) over FP8 K/V."""
+    monkeypatch.setattr(triton_backend, "VERIFY_KERNEL_MIN_REQUESTS", 1)
     torch.manual_seed(12)
     state = fp8_state(sliding_kv, full_kv, window)
     lengths, counts = [70, 5, 33], [4, 1, 4]
