@@ -49,8 +49,8 @@ from srt.mem_cache.allocator import check_indices, debug_kv_indices
 INTERPRETER_NUM_SMS = 16
 # Verify steps of fewer requests than this attend row by row with the decode kernel. H100, E4B, K = 3, 512-token
 # contexts (docs/benchmarks.md): at batch 32 the verify kernel took a verify step from 7.70-7.90 to 7.13-7.19 ms,
-# at batch 1 from 4.52-4.57 to 4.66-4.88 ms (its grid's tiles without rows cost more than the 4 rows' reads it
-# saves); between them not measured: 8 is where the reads saved should pass the idle programs' cost.
+# at batch 1 from 4.52-4.57 to 4.66-4.88 ms (its grid's programs for tiles without rows cost more than the reads it
+# saves). Batches between were not measured: 8 is an estimate of where the saved reads start to win.
 VERIFY_KERNEL_MIN_REQUESTS = 8
 
 
