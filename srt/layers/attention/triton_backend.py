@@ -247,12 +247,6 @@ def _decode(q: torch.Tensor, out: torch.Tensor, meta: TritonAttentionMetadata, k
     """The split-KV decode kernel over `meta`'s rows (one query row each), its partials made once per shape."""
     num_rows, num_heads, head_dim = q.shape
     splits = num_kv_splits(num_rows, kv.k_buffer.shape[1], _num_sms(q.device))
-    partials = None
-    if splits > 1:
-        key = (num_heads, head_dim, splits)
-        if key not in meta.partials:
-            meta.partials[key] = decode_partials(num_rows, num_heads, head_dim, splits, q.device)
-        partials = meta.partials[key]
     decode_attention(
         q,
         out,
@@ -265,11 +259,22 @@ def _decode(q: torch.Tensor, out: torch.Tensor, meta: TritonAttentionMetadata, k
         meta.positions,
         kv.window,
         splits,
-        partials,
+        _partials(meta, q, splits),
         default_decode_config(head_dim, q.device.type == "cuda"),
         kv.k_scale,
         kv.v_scale,
     )
+
+
+def _partials(meta: TritonAttentionMetadata, q: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The split-KV kernels' scratch for q's rows and heads (None for one split), made once per shape a forward."""
+    if splits == 1:
+        return None
+    num_rows, num_heads, head_dim = q.shape
+    key = (num_heads, head_dim, splits)
+    if key not in meta.partials:
+        meta.partials[key] = decode_partials(num_rows, num_heads, head_dim, splits, q.device)
+    return meta.partials[key]
 
 
 def _verify(
@@ -285,12 +290,6 @@ def _verify(
     # from the tiles that hold rows, not from the requests: a padded verify step has as many requests as rows
     busy_tiles = triton.cdiv(num_rows, meta.verify_rows) * triton.cdiv(meta.verify_rows, rows_per_tile)
     splits = num_kv_splits(busy_tiles, kv_heads, _num_sms(q.device))
-    partials = None
-    if splits > 1:
-        key = (num_heads, head_dim, splits)
-        if key not in meta.partials:
-            meta.partials[key] = decode_partials(num_rows, num_heads, head_dim, splits, q.device)
-        partials = meta.partials[key]
     verify_attention(
         q,
         out,
@@ -305,7 +304,7 @@ def _verify(
         meta.positions,
         kv.window,
         splits,
-        partials,
+        _partials(meta, q, splits),
         default_decode_config(head_dim, q.device.type == "cuda"),
         kv.k_scale,
         kv.v_scale,
