@@ -67,7 +67,8 @@ def num_kv_splits(num_rows: int, kv_heads: int, num_sms: int) -> int:
 
 
 @triton.jit
-def _split_len(kv_start, kv_end, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def kv_split_len(kv_start, kv_end, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Positions per split of [kv_start, kv_end): whole blocks, so that every split but the last is full."""
     kv_len = tl.maximum(kv_end - kv_start, 0)
     return tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
 
@@ -117,7 +118,7 @@ def _decode_split_kernel(
     # before the wait: no kernel of the layers writes positions, lengths or slot tables (module docstring)
     pos = tl.load(positions_ptr + row)
     kv_start, kv_end = row_kv_bounds(pos, tl.load(row_seq_lens_ptr + row), window, SLIDING)
-    split_len = _split_len(kv_start, kv_end, NUM_SPLITS, BLOCK_N)
+    split_len = kv_split_len(kv_start, kv_end, NUM_SPLITS, BLOCK_N)
     lo = kv_start + split * split_len
     hi = tl.minimum(lo + split_len, kv_end)
     req_to_token_row = req_to_token_ptr + tl.load(row_pool_ptr + row).to(tl.int64) * stride_req
@@ -202,7 +203,7 @@ def _decode_combine_kernel(
     else:
         pos, seq_len = tl.load(positions_ptr + row), tl.load(row_seq_lens_ptr + row)
         kv_start, kv_end = row_kv_bounds(pos, seq_len, window, SLIDING)
-        split_len = _split_len(kv_start, kv_end, NUM_SPLITS, BLOCK_N)
+        split_len = kv_split_len(kv_start, kv_end, NUM_SPLITS, BLOCK_N)
         # splits past the last one that holds KV wrote nothing worth reading
         first = 0
         stop = tl.cdiv(tl.maximum(kv_end - kv_start, 0), tl.maximum(split_len, 1))
@@ -299,23 +300,41 @@ def decode_attention(
         num_stages=config.num_stages,
         **launch,
     )
-    if num_splits == 1:
-        return
-    _decode_combine_kernel[(num_rows, num_heads)](
+    if num_splits > 1:
+        combine_splits(out, (part_o, part_lse), row_seq_lens, positions, sliding_window, config.block_n)
+
+
+def combine_splits(
+    out: torch.Tensor,
+    partials: tuple[torch.Tensor, torch.Tensor],
+    row_seq_lens: torch.Tensor,
+    positions: torch.Tensor,
+    sliding_window: int | None,
+    block_n: int,
+    all_splits: bool = False,
+) -> None:
+    """Stage 2: each row's output from its splits' partials (`decode_partials`). The splits a row read are found
+    from its bounds and the split kernel's block size, or, with `all_splits` (the verify kernel's splits of a
+    tile's range), from the partials themselves: every split wrote a log-sum-exp, -inf where the row saw nothing."""
+    part_o, part_lse = partials
+    _, num_heads, num_splits, head_dim = part_o.shape
+    launch = pdl_launch(out.device, _decode_combine_kernel)
+    _decode_combine_kernel[(out.shape[0], num_heads)](
         out,
         part_o,
         part_lse,
         row_seq_lens,
         positions,
-        window,
+        sliding_window or 0,
         num_heads,
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
-        BLOCK_N=config.block_n,
+        BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        SLIDING=sliding,
+        SLIDING=sliding_window is not None,
         USE_PDL=bool(launch),
+        ALL_SPLITS=all_splits,
         num_warps=4,
         **launch,
     )

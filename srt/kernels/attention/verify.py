@@ -9,13 +9,13 @@ block_q = rows_per_tile) and one KV head's GQA group, packed into the M dimensio
 extend kernel packs them, and one split of the KV range the tile's rows see:
 
     M index m -> query row  tile_first_row + m // group,  head  kv_head * group + m % group
-    tile's KV [start of its first row, end of its last row)  ->  splits as decode's (`_split_len`)
+    tile's KV [start of its first row, end of its last row)  ->  splits as decode's (`kv_split_len`)
     grid = (tiles, kv_heads, num_splits)
 
 Each row is masked per element by its own causal and window bounds. Every program writes each of its rows'
 partial output and log-sum-exp, -inf where the row sees nothing of the split (or the split is empty), and
-decode's combine kernel merges all splits of each row (`ALL_SPLITS`). With one split the output is written
-directly. FP8 K/V as in decode: widened on load, k_scale on the scores, v_scale on the output.
+decode's combine merges the splits each row saw (`combine_splits(all_splits=True)`). With one split the output
+is written directly. FP8 K/V as in decode: widened on load, k_scale on the scores, v_scale on the output.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from srt.kernels.attention.decode import DecodeConfig, _decode_combine_kernel, _split_len
+from srt.kernels.attention.decode import DecodeConfig, combine_splits, kv_split_len
 from srt.kernels.attention.paged_kv import LOG2E, dot_precision, kv_slots, row_kv_bounds
 from srt.kernels.kv_quant import is_fp8_kv
 from srt.kernels.triton_support import pdl_launch, pdl_start
@@ -102,7 +102,7 @@ def _verify_split_kernel(
     pos_lo = tl.min(tl.where(m_ok, pos, pos_hi))
     kv_start, _ = row_kv_bounds(pos_lo, seq_len, window, SLIDING)
     _, kv_end = row_kv_bounds(pos_hi, seq_len, window, SLIDING)
-    split_len = _split_len(kv_start, kv_end, NUM_SPLITS, BLOCK_N)
+    split_len = kv_split_len(kv_start, kv_end, NUM_SPLITS, BLOCK_N)
     lo = kv_start + split * split_len
     hi = tl.minimum(lo + split_len, kv_end)
     req_to_token_row = req_to_token_ptr + tl.load(req_pool_ptr + req).to(tl.int64) * stride_req
@@ -178,7 +178,7 @@ def verify_attention(
     requests are `req_pool_indices` / `seq_lens` (KV of every row of the step stored already); `partials`
     (`decode_partials`) is needed when num_splits > 1; `config`: decode's blocks for this head_dim.
     """
-    num_rows, num_heads, head_dim = q.shape
+    _, num_heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
     group = num_heads // kv_heads
     sliding = sliding_window is not None
@@ -205,16 +205,5 @@ def verify_attention(
         num_stages=config.num_stages,
         **launch,
     )  # fmt: skip
-    if num_splits == 1:
-        return
-    _decode_combine_kernel[(num_rows, num_heads)](
-        out, part_o, part_lse, positions, positions, window, num_heads, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim,
-        BLOCK_N=config.block_n,
-        NUM_SPLITS=num_splits,
-        SLIDING=sliding,
-        ALL_SPLITS=True,
-        USE_PDL=bool(launch),
-        num_warps=4,
-        **launch,
-    )  # fmt: skip
+    if num_splits > 1:  # every row's splits of its tile's range (the lengths are not read with all_splits)
+        combine_splits(out, (part_o, part_lse), positions, positions, sliding_window, config.block_n, all_splits=True)
