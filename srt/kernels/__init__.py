@@ -20,6 +20,7 @@ Where a model op runs (the modules that call them are in `srt/layers/` and `srt/
     final logit softcap + greedy argmax        logits.py                     softcap_logits_reference
     paged attention: many rows per request     attention/extend.py           layers/attention/torch_native.py
     paged attention: one row per request       attention/decode.py           layers/attention/torch_native.py
+    paged attention: a verify step's few rows  attention/verify.py           layers/attention/torch_native.py
     MoE top-k routing                          moe/routing.py                topk_routing_reference
     MoE slots sorted by expert (decode sizes)  moe/align.py                  layers/moe/fused_experts.py
     MoE grouped expert GEMMs                   moe/experts.py                Experts.forward_reference
