@@ -88,6 +88,8 @@ class ExtendGraphs:
         else:
             self.logits_out = torch.empty((self.max_logits_rows, vocab), dtype=torch.float32, device=device)
         self._host: dict[str, list[int]] = {}  # the padded batch's host lists, for eager steps (torch_native)
+        # verify graphs: every token a logits row, in order (no logits inputs to load per step)
+        self.every_row = torch.arange(max(token_counts), device=device) if verify_rows else None
         self.steps = CapturedSteps(self._step, token_counts, use_graphs, pool, "steps by token count")
 
     def rows(self, num_tokens: int) -> tuple[int, int]:
@@ -110,7 +112,10 @@ class ExtendGraphs:
             tokens,
         )
         host = padded_host_lists(batch, tokens, requests, logits_rows, self.req_to_token_pool.padding_row)
-        load_host_lists([(self.requests, host, requests + 1), (self.logits, host, logits_rows)])
+        loads = [(self.requests, host, requests + 1)]
+        if not self.verify_rows:
+            loads.append((self.logits, host, logits_rows))
+        load_host_lists(loads)
         self._host = host
         out = self.steps.run(tokens)
         n = len(batch.logits_rows_cpu)
@@ -125,10 +130,44 @@ class ExtendGraphs:
         if self.use_graphs:  # capturing: the kernels read only the static inputs; these lists choose the kernels
             host = padded_host_lists(None, tokens, requests, rows, self.req_to_token_pool.padding_row)
         token_view, request_view = self.tokens.view(tokens), self.requests.view(requests + 1)
+        pools = {"req_to_token_pool": self.req_to_token_pool, "kv_pool": self.kv_pool}
+        if self.verify_rows:
+            # every token a logits row, in order (padding rows' logits are dropped): one batch through every
+            # layer, whose attention takes each request's rows together, KV-shared layers included
+            logits_rows, logits_rows_cpu, logits_subset = self.every_row[:tokens], list(range(tokens)), None
+        else:
+            logits_rows, logits_rows_cpu = self.logits.view(rows)["logits_rows"], host["logits_rows"]
+            logits_subset = self._logits_subset(rows, host, pools)
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=token_view["input_ids"],
+            positions=token_view["positions"],
+            req_pool_indices=request_view["req_pool_indices"],
+            seq_lens=request_view["seq_lens"],
+            extend_prefix_lens=request_view["extend_prefix_lens"],
+            extend_seq_lens=request_view["extend_seq_lens"],
+            out_cache_loc=token_view["out_cache_loc"],
+            logits_rows=logits_rows,
+            **pools,
+            req_pool_indices_cpu=host["req_pool_indices"],
+            seq_lens_cpu=host["seq_lens"],
+            extend_prefix_lens_cpu=host["extend_prefix_lens"],
+            extend_seq_lens_cpu=host["extend_seq_lens"],
+            logits_rows_cpu=logits_rows_cpu,
+            # laid out here, padded: never "every row in order", even with as many logits rows as tokens
+            logits_subset=logits_subset,
+            verify_rows=self.verify_rows,
+        )
+        out = self.model(batch, self.backend)
+        logits = self.logits_out[:rows]
+        logits.copy_(out.logits)
+        return LogitsOutput(logits, out.hidden_states, out.yoco_skipped_rows, out.greedy_ids)
+
+    def _logits_subset(self, rows: int, host: dict[str, list[int]], pools: dict) -> ForwardBatch:
+        """The step's `rows` logits rows as a batch of their own (YOCO's KV-shared layers), from the static inputs."""
         logits_view = {name.removeprefix("logits_"): t for name, t in self.logits.view(rows).items()}
         positions = logits_view["positions"]
-        pools = {"req_to_token_pool": self.req_to_token_pool, "kv_pool": self.kv_pool}
-        logits_batch = ForwardBatch(
+        return ForwardBatch(
             mode=ForwardMode.DECODE,  # one row per "request": attention's decode kernel, as in SharedLayerGraphs
             input_ids=positions,  # unused: the KV-shared layers start from hidden states
             positions=positions,
@@ -145,36 +184,6 @@ class ExtendGraphs:
             extend_seq_lens_cpu=[1] * rows,
             logits_rows_cpu=list(range(rows)),
         )
-        if self.verify_rows:
-            # every token a logits row, in order (padding rows' logits are dropped): one batch through every
-            # layer, whose attention takes each request's rows together, KV-shared layers included
-            logits_view["rows"] = torch.arange(tokens, device=self.kv_pool.device)
-            host = {**host, "logits_rows": list(range(tokens))}
-            logits_batch = None
-        batch = ForwardBatch(
-            mode=ForwardMode.EXTEND,
-            input_ids=token_view["input_ids"],
-            positions=token_view["positions"],
-            req_pool_indices=request_view["req_pool_indices"],
-            seq_lens=request_view["seq_lens"],
-            extend_prefix_lens=request_view["extend_prefix_lens"],
-            extend_seq_lens=request_view["extend_seq_lens"],
-            out_cache_loc=token_view["out_cache_loc"],
-            logits_rows=logits_view["rows"],
-            **pools,
-            req_pool_indices_cpu=host["req_pool_indices"],
-            seq_lens_cpu=host["seq_lens"],
-            extend_prefix_lens_cpu=host["extend_prefix_lens"],
-            extend_seq_lens_cpu=host["extend_seq_lens"],
-            logits_rows_cpu=host["logits_rows"],
-            # laid out here, padded: never "every row in order", even with as many logits rows as tokens
-            logits_subset=logits_batch,
-            verify_rows=self.verify_rows,
-        )
-        out = self.model(batch, self.backend)
-        logits = self.logits_out[:rows]
-        logits.copy_(out.logits)
-        return LogitsOutput(logits, out.hidden_states, out.yoco_skipped_rows, out.greedy_ids)
 
 
 def padded_host_lists(
