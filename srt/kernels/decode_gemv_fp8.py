@@ -1,0 +1,164 @@
+"""FP8 projections of 1-4 rows (batch-1 decode, a batch-1 MTP verify step) on the CUDA cores, weight-only.
+
+At these sizes a projection is a stream of weight bytes, and the tensor-core kernels (`decode_gemm_fp8.py`,
+`decode_gemm_fp8_variants.py`) pad the rows to the MMA's 16 or 64 and either convert every weight e4m3 -> bf16
+in the conversion units (16 results per clock per SM on sm90) or quantize x and scale every K-step's product:
+on an H100 they ran E4B's projections at ~1.5x their bytes' floor (`docs/benchmarks.md`). Here each program
+loads [BLOCK_N, BLOCK_K] weight bytes with plain vector loads, turns each byte into a float32 with integer ops
+(`e4m3_bits_as_f32`: no conversion instruction) and multiplies it by x in float32 FMAs, keeping one product
+per loaded value in registers and summing along K once, at the end. The next K-step's weights are loaded
+before this step's FMAs, and the first step's before the chained wait (weights are constant), so a program
+always has loads in flight.
+
+Per-channel scales only (`--quantization fp8`, FP8-dynamic checkpoints); 128 x 128 block scales keep the W8A8
+kernel. Outputs as `decode_gemm_fp8.py`: `decode_linear_gemv` gives the product in x's dtype (splits == 1) or
+[splits, rows, N] float32 partial sums over K-chunks for the norm kernels; `decode_gelu_mlp_gemv` gives
+gelu_tanh(gate) * up of the stacked gate/up weight, each program taking a gate block and the matching up block.
+Weight-only numerics: exact products, float32 sums, one rounding to x's dtype. Chained (PDL), graph-safe.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from srt.kernels.decode_gemm import ENABLED, GATED
+from srt.kernels.gelu_mul import gelu_tanh_mul_rounded
+from srt.kernels.triton_support import jit, kernel_runs_on, pdl_launch, pdl_start, round_to, tl, triton
+
+MAX_ROWS = 4
+
+
+class GemvTiles(NamedTuple):
+    block_n: int  # output columns (weight rows) of a program; for GATED, of each half
+    block_k: int  # weight bytes of a row per K-step
+    warps: int = 4
+
+
+# the scale that `e4m3_bits_as_f32` leaves on every value (2^-120), undone in the epilogue; constexpr: compiled
+# kernels read no other globals
+_UNDO_BITS_SCALE = tl.constexpr(2.0**120) if tl is not None else 2.0**120
+# 0x87F00000 as an int32: the sign bit and the 7 bits of e4m3's exponent and mantissa, in float32's places
+_E4M3_BITS_IN_F32 = tl.constexpr(-0x78100000) if tl is not None else -0x78100000
+
+
+@jit
+def e4m3_bits_as_f32(w):
+    """float8_e4m3fn bytes (uint8) -> float32 values times 2^-120, exactly, in three integer ops: the byte's
+    sign to bit 31, its 4 exponent and 3 mantissa bits to float32's low exponent bits and top mantissa bits.
+    An e4m3 exponent e (bias 7) becomes float32 exponent e (bias 127), and e4m3's subnormals float32's
+    subnormals, hence 2^-120 for every value (the float32 FMAs keep subnormals: Triton flushes none)."""
+    bits = w.to(tl.int32) << 24
+    return ((bits >> 4) & _E4M3_BITS_IN_F32).to(tl.float32, bitcast=True)
+
+
+@jit
+def _fp8_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, out_ptr, rows, n, k, k_per_split, up_offset, up_bytes,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr,
+):  # fmt: skip
+    """out[split, :, N-block] = x[:, K-chunk] @ (w * scale)[N-block, K-chunk]^T, w [N, K] e4m3 bytes row-major,
+    scale [N] float32; GATED: gelu(x @ gate^T) * (x @ up^T) with the up rows at up_offset (up_bytes = up_offset *
+    k), rounded as torch."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = tl.program_id(1) * k_per_split
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, ROWS)
+    w_ptrs = w_ptr + offs_n[None, :, None].to(tl.int64) * k + (k_start + offs_k)[None, None, :]  # [1, N, K]
+    x_ptrs = x_ptr + offs_r[:, None, None] * k + (k_start + offs_k)[None, None, :]  # [ROWS, 1, K]
+    x_mask = offs_r[:, None, None] < rows
+    w = tl.load(w_ptrs)  # constant weights: loaded before the wait
+    w_up = tl.load(w_ptrs + up_bytes) if GATED else w
+    pdl_start(USE_PDL)  # x comes from the kernel ahead
+    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = tl.zeros_like(acc)
+    for step in range(0, k_per_split, BLOCK_K):
+        has_next = step + BLOCK_K < k_per_split
+        next_w = tl.load(w_ptrs + (step + BLOCK_K), mask=has_next, other=0)  # in flight during this step's FMAs
+        x = tl.load(x_ptrs + step, mask=x_mask, other=0.0).to(tl.float32)
+        acc += e4m3_bits_as_f32(w) * x
+        w = next_w
+        if GATED:
+            next_up = tl.load(w_ptrs + up_bytes + (step + BLOCK_K), mask=has_next, other=0)
+            acc_up += e4m3_bits_as_f32(w_up) * x
+            w_up = next_up
+    out_dtype = out_ptr.dtype.element_ty
+    result = tl.sum(acc, axis=2) * (tl.load(scale_ptr + offs_n) * _UNDO_BITS_SCALE)[None, :]
+    if GATED:  # the GEMM's two rounded outputs, then gelu_tanh_mul's rounding
+        up = tl.sum(acc_up, axis=2) * (tl.load(scale_ptr + up_offset + offs_n) * _UNDO_BITS_SCALE)[None, :]
+        result = gelu_tanh_mul_rounded(round_to(result, out_dtype), round_to(up, out_dtype), out_dtype)
+    out = out_ptr + (tl.program_id(1) * rows + offs_r)[:, None] * n + offs_n[None, :]
+    tl.store(out, result.to(out_dtype), mask=(offs_r < rows)[:, None])
+
+
+# srt's tiles per caller (H100 sweep, bench/tune/tune_decode_gemv_fp8.py)
+TILES = {GATED: GemvTiles(8, 512), 1: GemvTiles(8, 512)}
+DEFAULT_TILES = GemvTiles(8, 512)
+
+
+def gemv_splits(n: int, k: int) -> int:
+    """K-chunks of a partial-sums projection: enough programs for a few waves of the H100's 132 SMs."""
+    splits = 1
+    while n // DEFAULT_TILES.block_n * splits < 4 * 132 and k % (2 * splits * DEFAULT_TILES.block_k) == 0:
+        splits *= 2
+    return splits
+
+
+def gemv_tiles(splits: int | str) -> GemvTiles:
+    return TILES.get(splits, DEFAULT_TILES)
+
+
+def decode_gemv_applies(x: torch.Tensor, weight: torch.Tensor, block_k: int, splits: int | str) -> bool:
+    """Whether `decode_linear_gemv` (splits: a count) or `decode_gelu_mlp_gemv` (GATED) runs x @ w^T for an
+    Fp8Linear's [N, K] weight with `block_k` columns per scale: CUDA, a 16-bit x, a contiguous weight, and
+    `gemv_fits`."""
+    if not (ENABLED and x.is_cuda and kernel_runs_on(x.device, _fp8_gemv_kernel)):
+        return False
+    fits = gemv_fits(x.shape[0], weight.shape[0], x.shape[1], block_k, splits)
+    return fits and x.dtype in (torch.bfloat16, torch.float16) and weight.is_contiguous()
+
+
+def gemv_fits(rows: int, n: int, k: int, block_k: int, splits: int | str) -> bool:
+    """The shape rules: 1-4 rows, per-channel scales (block_k >= k), and srt's tiles divide N (each half of it
+    for GATED) and the K-chunks."""
+    n = n // 2 if splits == GATED else n
+    chunks = 1 if splits == GATED else splits
+    tiles = gemv_tiles(splits)
+    return 0 < rows <= MAX_ROWS and block_k >= k and n % tiles.block_n == 0 and k % (chunks * tiles.block_k) == 0
+
+
+def decode_linear_gemv(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, splits: int = 1, tiles: GemvTiles | None = None
+) -> torch.Tensor:
+    """x @ (weight * scale)^T for x [rows, K], an Fp8Linear's weight [N, K] and per-channel scale [N, 1]:
+    [rows, N] in x's dtype (splits == 1) or [splits, rows, N] float32 partial sums. Call where
+    `decode_gemv_applies`; `tiles` overrides srt's (the sweep)."""
+    rows, n = x.shape[0], weight.shape[0]
+    shape = (rows, n) if splits == 1 else (splits, rows, n)
+    out = torch.empty(shape, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
+    _launch(x, weight, scale, out, splits, n, tiles or gemv_tiles(splits), gated=False)
+    return out
+
+
+def decode_gelu_mlp_gemv(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tiles: GemvTiles | None = None
+) -> torch.Tensor:
+    """gelu_tanh(x @ gate^T) * (x @ up^T) [rows, I] in x's dtype for a stacked gate/up Fp8Linear's weight [2I, K]
+    and per-channel scale; call where `decode_gemv_applies(x, weight, block_k, GATED)`."""
+    rows, n = x.shape[0], weight.shape[0] // 2
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    _launch(x, weight, scale, out, 1, n, tiles or gemv_tiles(GATED), gated=True)
+    return out
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, splits: int, n: int,
+            tiles: GemvTiles, gated: bool) -> None:  # fmt: skip
+    x = x.contiguous()
+    rows, k = x.shape
+    launch = pdl_launch(x.device, _fp8_gemv_kernel)
+    _fp8_gemv_kernel[(n // tiles.block_n, splits)](
+        x, weight.view(torch.uint8), scale, out, rows, n, k, k // splits, n if gated else 0, n * k if gated else 0,
+        ROWS=triton.next_power_of_2(rows), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GATED=gated,
+        USE_PDL=bool(launch), num_warps=tiles.warps, **launch,
+    )  # fmt: skip

@@ -1,0 +1,146 @@
+"""kernels/decode_gemv_fp8.py: the CUDA-core FP8 projection of 1-4 rows against the dequantize-then-matmul
+reference, on CPU in Triton's interpreter at small sizes and on the GPU at Gemma 4's shapes; its e4m3 -> float32
+bit placement exact over all 256 byte values (subnormals and signed zeros included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fp8_fixtures import fp8_layer, relative_error
+
+from srt.kernels.decode_gemm import GATED
+from srt.kernels.decode_gemv_fp8 import (
+    GemvTiles,
+    _fp8_gemv_kernel,
+    decode_gelu_mlp_gemv,
+    decode_gemv_applies,
+    decode_linear_gemv,
+    e4m3_bits_as_f32,
+    gemv_fits,
+    gemv_splits,
+)
+from srt.kernels.gelu_mul import gelu_tanh_mul_packed
+from srt.kernels.triton_support import jit, kernel_runs_on, tl
+
+SMALL_TILES = GemvTiles(8, 64)
+
+
+@pytest.fixture
+def interpreter() -> None:
+    if not kernel_runs_on(torch.device("cpu"), _fp8_gemv_kernel):
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1)")
+
+
+@jit
+def _bits_kernel(w_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, e4m3_bits_as_f32(tl.load(w_ptr + offs)))
+
+
+def expected(x: torch.Tensor, layer: object, splits: int | str) -> torch.Tensor:
+    """The float32 product with the dequantized weight, rounded where the kernel rounds."""
+    product = F.linear(x.float(), layer.dequantized(torch.float32))
+    if splits == GATED:
+        return gelu_tanh_mul_packed(product.to(x.dtype))
+    return product.to(x.dtype) if splits == 1 else product
+
+
+def run(x: torch.Tensor, layer: object, splits: int | str, tiles: GemvTiles | None = None) -> torch.Tensor:
+    if splits == GATED:
+        return decode_gelu_mlp_gemv(x, layer.weight, layer.weight_scale, tiles)
+    return decode_linear_gemv(x, layer.weight, layer.weight_scale, splits, tiles)
+
+
+def summed(out: torch.Tensor) -> torch.Tensor:
+    return out.sum(0) if out.dim() == 3 else out
+
+
+# bf16 outputs: one rounding of the largest value; float32 partials: float32 sums in another order
+BOUNDS = {1: 1e-2, 2: 1e-5, 4: 1e-5, GATED: 1e-2}
+
+
+def check_bits(device: str) -> None:
+    w = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
+    w = w[(w & 0x7F) != 0x7F]  # e4m3fn's two NaN encodings: no weight holds them
+    out = torch.empty(256, dtype=torch.float32, device=device)
+    padded = torch.cat([w, w[:2]])  # 256 values for the power-of-2 block
+    _bits_kernel[(1,)](padded, out, BLOCK=256)
+    reference = padded.view(torch.float8_e4m3fn).float() * 2.0**-120
+    assert torch.equal(out.view(torch.int32), reference.view(torch.int32))  # bit for bit: -0 and subnormals too
+
+
+@pytest.mark.usefixtures("interpreter")
+def test_e4m3_bits_become_float32_values_times_2_to_the_minus_120_exactly() -> None:
+    check_bits("cpu")
+
+
+@pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_gemv_matches_the_dequantized_reference(rows: int) -> None:
+    """K 256 over 64-byte K-steps (4 steps: the next step's weights loaded ahead, the last load masked), 1 and 2
+    K-chunks, gate_up with gelu * up; a row count that pads (3 of 4)."""
+    layer = fp8_layer(64, 256, "channel", seed=64 + 256)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    for splits in (1, 2, GATED):
+        out = run(x, layer, splits, SMALL_TILES)
+        assert out.dtype == (torch.float32 if splits == 2 else x.dtype)
+        shape = (rows, 32 if splits == GATED else 64)
+        assert out.shape == (shape if splits != 2 else (2, *shape))
+        assert relative_error(summed(out), expected(x, layer, splits)) < BOUNDS[splits], (rows, splits)
+
+
+@pytest.mark.usefixtures("interpreter")
+def test_subnormal_weights_multiply_exactly() -> None:
+    """Weights that quantize to e4m3 subnormals (|q| < 2^-6) keep their value: 0 everywhere but subnormals and one
+    large value per row, against the exact float64 product."""
+    layer = fp8_layer(8, 64, "channel", seed=3)
+    q = torch.full((8, 64), 2.0**-9).mul(torch.arange(1, 65).remainder(8).float()).to(torch.float8_e4m3fn)
+    q[:, 0] = 448.0
+    layer.weight.copy_(q)
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    out = decode_linear_gemv(x, layer.weight, layer.weight_scale, 2, SMALL_TILES._replace(block_k=32))
+    exact = x.double() @ (q.double() * layer.weight_scale.double()).t()
+    assert torch.allclose(out.sum(0).double(), exact, rtol=1e-6, atol=0)
+
+
+def test_fits_per_channel_weights_of_one_to_four_rows_only() -> None:
+    assert gemv_fits(1, 2560, 10240, 10240, 4) and gemv_fits(4, 20480, 2560, 2560, GATED)
+    assert not gemv_fits(5, 2560, 10240, 10240, 4)
+    assert not gemv_fits(1, 2560, 10240, 128, 4)  # 128 x 128 block scales
+    assert not gemv_fits(1, 2560, 2560, 2560, 4)  # K-chunks of 640: no whole number of 512-byte steps
+    assert not decode_gemv_applies(torch.zeros(1, 2560).bfloat16(), torch.zeros(2560, 2560), 2560, 5)  # CPU
+
+
+def test_splits_give_a_few_waves_of_programs() -> None:
+    assert gemv_splits(2560, 10240) == 2  # E4B down: 320 programs a chunk
+    assert gemv_splits(16384, 5376) == 1  # 31B qkv: 2048 programs
+    assert gemv_splits(3072, 2560) == 1  # E4B qkv (sliding): 384 programs; halves are no whole 512-byte steps
+
+
+# E4B qkv (sliding), o (full), gate_up, down; 31B qkv (full), gate_up, down
+GPU_SHAPES = [
+    (3072, 2560, 2),
+    (2560, 4096, 4),
+    (20480, 2560, GATED),
+    (2560, 10240, 8),
+    (18432, 5376, 1),
+    (43008, 5376, GATED),
+    (5376, 21504, 4),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gemv_at_gemma4_shapes(rows: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    check_bits("cuda")
+    for n, k, splits in GPU_SHAPES:
+        layer = fp8_layer(n, k, "channel", "cuda", seed=n + k)
+        x = torch.randn(rows, k, device="cuda").bfloat16()
+        assert decode_gemv_applies(x, layer.weight, layer.block_k, splits), (n, k, splits)
+        out = run(x, layer, splits)
+        assert torch.isfinite(out).all(), (n, k, splits)
+        bound = 1e-3 if splits not in (1, GATED) else BOUNDS[splits]
+        assert relative_error(summed(out), expected(x, layer, splits)) < bound, (n, k, splits)
