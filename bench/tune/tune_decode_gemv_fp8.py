@@ -41,10 +41,11 @@ from srt.kernels.decode_gemm_fp8_variants import (  # noqa: E402
 from srt.kernels.decode_gemv_fp8 import GemvTiles, decode_gelu_mlp_gemv, decode_linear_gemv  # noqa: E402
 from srt.kernels.gelu_mul import gelu_tanh_mul_packed  # noqa: E402
 
-GRID = [GemvTiles(n, k, w) for n in (4, 8, 16) for k in (256, 512, 1024) for w in (4, 8)]
-SPLITS = (1, 2, 4, 8)
+GRID = [GemvTiles(n, k, w, s) for n in (4, 8, 16) for k in (256, 512, 1024) for w in (4, 8) for s in (0, 2, 4)]
+SPLITS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 MAX_ACC_PER_THREAD = 128  # float32 accumulators a thread may hold (rows x BLOCK_N x BLOCK_K x halves / threads)
 BOUND = 1e-2  # bf16 outputs (one rounding); partial sums are far closer
+W8A8_BOUND = 0.08  # W8A8: the activations' e4m3 rounding besides
 
 
 def fits(tiles: GemvTiles, projection: Projection, rows: int, splits: int) -> bool:
@@ -78,10 +79,10 @@ def run_projection(projection: Projection, rows: int, timer: Timer, copy_rate: f
         "per_step": projection.per_step, "floor_us": fp8_bytes / copy_rate * 1e6, "configs": [],
     }  # fmt: skip
 
-    def timed(call) -> tuple[float | None, float | None, str | None]:
+    def timed(call, bound: float = BOUND) -> tuple[float | None, float | None, str | None]:
         try:
             err = error(call(layers[0]), expected)
-            if not err <= BOUND:
+            if not err <= bound:
                 return None, err, "wrong result"
             return timer.us(call, layers), err, None
         except Exception as exc:  # noqa: BLE001  (a config the compiler or the chip rejects)
@@ -97,7 +98,7 @@ def run_projection(projection: Projection, rows: int, timer: Timer, copy_rate: f
         w8a8 = decode_w8a8_applies(x, layers[0].weight, block_k, s) and (
             lambda layer: decode_linear_w8a8(x, layer.weight, layer.weight_scale, layer.block_k, s)
         )
-    result["w8a8_us"] = timed(w8a8)[0] if w8a8 else None
+    result["w8a8_us"] = timed(w8a8, W8A8_BOUND)[0] if w8a8 else None
     for tiles in GRID:
         for splits in (1,) if gated else SPLITS:
             if not fits(tiles, projection, rows, splits):

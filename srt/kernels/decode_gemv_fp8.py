@@ -34,6 +34,7 @@ class GemvTiles(NamedTuple):
     block_n: int  # output columns (weight rows) of a program; for GATED, of each half
     block_k: int  # weight bytes of a row per K-step
     warps: int = 4
+    stages: int = 0  # 0: the next K-step loaded by hand ahead of the FMAs; else Triton's pipeline of this depth
 
 
 # the scale that `e4m3_bits_as_f32` leaves on every value (2^-120), undone in the epilogue; constexpr: compiled
@@ -56,7 +57,8 @@ def e4m3_bits_as_f32(w):
 @jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, rows, n, k, k_per_split, up_offset, up_bytes,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     """out[split, :, N-block] = x[:, K-chunk] @ (w * scale)[N-block, K-chunk]^T, w [N, K] e4m3 bytes row-major,
     scale [N] float32; GATED: gelu(x @ gate^T) * (x @ up^T) with the up rows at up_offset (up_bytes = up_offset *
@@ -68,21 +70,29 @@ def _fp8_gemv_kernel(
     w_ptrs = w_ptr + offs_n[None, :, None].to(tl.int64) * k + (k_start + offs_k)[None, None, :]  # [1, N, K]
     x_ptrs = x_ptr + offs_r[:, None, None] * k + (k_start + offs_k)[None, None, :]  # [ROWS, 1, K]
     x_mask = offs_r[:, None, None] < rows
-    w = tl.load(w_ptrs)  # constant weights: loaded before the wait
-    w_up = tl.load(w_ptrs + up_bytes) if GATED else w
-    pdl_start(USE_PDL)  # x comes from the kernel ahead
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros_like(acc)
-    for step in range(0, k_per_split, BLOCK_K):
-        has_next = step + BLOCK_K < k_per_split
-        next_w = tl.load(w_ptrs + (step + BLOCK_K), mask=has_next, other=0)  # in flight during this step's FMAs
-        x = tl.load(x_ptrs + step, mask=x_mask, other=0.0).to(tl.float32)
-        acc += e4m3_bits_as_f32(w) * x
-        w = next_w
-        if GATED:
-            next_up = tl.load(w_ptrs + up_bytes + (step + BLOCK_K), mask=has_next, other=0)
-            acc_up += e4m3_bits_as_f32(w_up) * x
-            w_up = next_up
+    if STAGES == 0:  # the next K-step's weights loaded by hand before this step's FMAs
+        w = tl.load(w_ptrs)  # constant weights: loaded before the wait
+        w_up = tl.load(w_ptrs + up_bytes) if GATED else w
+        pdl_start(USE_PDL)  # x comes from the kernel ahead
+        for step in range(0, k_per_split, BLOCK_K):
+            has_next = step + BLOCK_K < k_per_split
+            next_w = tl.load(w_ptrs + (step + BLOCK_K), mask=has_next, other=0)  # in flight during the FMAs
+            x = tl.load(x_ptrs + step, mask=x_mask, other=0.0).to(tl.float32)
+            acc += e4m3_bits_as_f32(w) * x
+            w = next_w
+            if GATED:
+                next_up = tl.load(w_ptrs + up_bytes + (step + BLOCK_K), mask=has_next, other=0)
+                acc_up += e4m3_bits_as_f32(w_up) * x
+                w_up = next_up
+    else:  # Triton's software pipeline: STAGES - 1 K-steps of weights in flight through shared memory
+        pdl_start(USE_PDL)
+        for step in tl.range(0, k_per_split, BLOCK_K, num_stages=STAGES):
+            x = tl.load(x_ptrs + step, mask=x_mask, other=0.0).to(tl.float32)
+            acc += e4m3_bits_as_f32(tl.load(w_ptrs + step)) * x
+            if GATED:
+                acc_up += e4m3_bits_as_f32(tl.load(w_ptrs + up_bytes + step)) * x
     out_dtype = out_ptr.dtype.element_ty
     result = tl.sum(acc, axis=2) * (tl.load(scale_ptr + offs_n) * _UNDO_BITS_SCALE)[None, :]
     if GATED:  # the GEMM's two rounded outputs, then gelu_tanh_mul's rounding
@@ -159,6 +169,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: tor
     launch = pdl_launch(x.device, _fp8_gemv_kernel)
     _fp8_gemv_kernel[(n // tiles.block_n, splits)](
         x, weight.view(torch.uint8), scale, out, rows, n, k, k // splits, n if gated else 0, n * k if gated else 0,
-        ROWS=triton.next_power_of_2(rows), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GATED=gated,
-        USE_PDL=bool(launch), num_warps=tiles.warps, **launch,
+        ROWS=triton.next_power_of_2(rows), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, STAGES=tiles.stages,
+        GATED=gated, USE_PDL=bool(launch), num_warps=tiles.warps, **launch,
     )  # fmt: skip

@@ -76,14 +76,15 @@ def test_e4m3_bits_become_float32_values_times_2_to_the_minus_120_exactly() -> N
 
 
 @pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("stages", [0, 2])
 @pytest.mark.parametrize("rows", [1, 3, 4])
-def test_gemv_matches_the_dequantized_reference(rows: int) -> None:
-    """K 256 over 64-byte K-steps (4 steps: the next step's weights loaded ahead, the last load masked), 1 and 2
-    K-chunks, gate_up with gelu * up; a row count that pads (3 of 4)."""
+def test_gemv_matches_the_dequantized_reference(rows: int, stages: int) -> None:
+    """K 256 over 64-byte K-steps (4 steps: the next step's weights loaded ahead by hand and the last load masked,
+    or Triton's pipeline), 1 and 2 K-chunks, gate_up with gelu * up; a row count that pads (3 of 4)."""
     layer = fp8_layer(64, 256, "channel", seed=64 + 256)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
     for splits in (1, 2, GATED):
-        out = run(x, layer, splits, SMALL_TILES)
+        out = run(x, layer, splits, SMALL_TILES._replace(stages=stages))
         assert out.dtype == (torch.float32 if splits == 2 else x.dtype)
         shape = (rows, 32 if splits == GATED else 64)
         assert out.shape == (shape if splits != 2 else (2, *shape))
@@ -118,29 +119,29 @@ def test_splits_give_a_few_waves_of_programs() -> None:
     assert gemv_splits(3072, 2560) == 1  # E4B qkv (sliding): 384 programs; halves are no whole 512-byte steps
 
 
-# E4B qkv (sliding), o (full), gate_up, down; 31B qkv (full), gate_up, down
+# E4B qkv (sliding), o (full), gate_up, down; 31B qkv (full), gate_up, down: 256-byte K-steps fit them all
 GPU_SHAPES = [
-    (3072, 2560, 2),
+    (3072, 2560, 5),
     (2560, 4096, 4),
     (20480, 2560, GATED),
-    (2560, 10240, 8),
-    (18432, 5376, 1),
+    (2560, 10240, 4),
+    (18432, 5376, 3),
     (43008, 5376, GATED),
     (5376, 21504, 4),
 ]
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stages", [0, 3])
 @pytest.mark.parametrize("rows", [1, 4])
-def test_gemv_at_gemma4_shapes(rows: int) -> None:
+def test_gemv_at_gemma4_shapes(rows: int, stages: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     check_bits("cuda")
     for n, k, splits in GPU_SHAPES:
         layer = fp8_layer(n, k, "channel", "cuda", seed=n + k)
         x = torch.randn(rows, k, device="cuda").bfloat16()
-        assert decode_gemv_applies(x, layer.weight, layer.block_k, splits), (n, k, splits)
-        out = run(x, layer, splits)
+        out = run(x, layer, splits, GemvTiles(8, 256, 4, stages))
         assert torch.isfinite(out).all(), (n, k, splits)
         bound = 1e-3 if splits not in (1, GATED) else BOUNDS[splits]
         assert relative_error(summed(out), expected(x, layer, splits)) < bound, (n, k, splits)
