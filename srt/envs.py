@@ -48,6 +48,12 @@ SRT_PDL = Switch(
     "at import",
     "Chained kernel launches (programmatic dependent launch, Hopper); 0 launches each kernel after the last.",
 )
+SRT_FP8_GEMV = Switch(
+    "SRT_FP8_GEMV",
+    True,
+    "at import",
+    "One-row FP8 projections on the CUDA-core kernel (Hopper); 0 gives them to the W8A8 tensor-core GEMM (A/B runs).",
+)
 SRT_DEBUG_KV_INDICES = Switch(
     "SRT_DEBUG_KV_INDICES",
     False,
@@ -55,7 +61,7 @@ SRT_DEBUG_KV_INDICES = Switch(
     "1 checks every KV slot index before it reaches a kernel (slow; for debugging out-of-range reads).",
 )
 
-SWITCHES = (GEMMA4_YOCO, SRT_TRITON_GEMM, SRT_PDL, SRT_DEBUG_KV_INDICES)
+SWITCHES = (GEMMA4_YOCO, SRT_TRITON_GEMM, SRT_PDL, SRT_FP8_GEMV, SRT_DEBUG_KV_INDICES)
 
 SRT_SIMULATE_ACCEPT_LEN = "SRT_SIMULATE_ACCEPT_LEN"
 

@@ -23,11 +23,13 @@ from typing import NamedTuple
 
 import torch
 
+from srt import envs
 from srt.kernels.decode_gemm import ENABLED, GATED
 from srt.kernels.gelu_mul import gelu_tanh_mul_rounded
 from srt.kernels.triton_support import jit, kernel_runs_on, pdl_launch, pdl_start, round_to, tl, triton
 
 MAX_ROWS = 4
+SRT_TAKES_IT = ENABLED and envs.SRT_FP8_GEMV.enabled()  # SRT_TRITON_GEMM=0 or SRT_FP8_GEMV=0: never (A/B)
 
 
 class GemvTiles(NamedTuple):
@@ -102,39 +104,47 @@ def _fp8_gemv_kernel(
     tl.store(out, result.to(out_dtype), mask=(offs_r < rows)[:, None])
 
 
-# srt's tiles per caller (H100 sweep, bench/tune/tune_decode_gemv_fp8.py)
-TILES = {GATED: GemvTiles(8, 512), 1: GemvTiles(8, 512)}
-DEFAULT_TILES = GemvTiles(8, 512)
+# H100 sweeps of 2026-11-27 (bench/tune/tune_decode_gemv_fp8.py, tune-decode-gemv-fp8-h100.json): Triton's pipeline
+# 4-6 deep beat the hand prefetch everywhere (E4B's step 2.3 -> 1.8 ms); 16 x 256 at 4 warps and 6 stages was within
+# 2% of each shape's fastest tile summed over a decode step of E4B and 31B; 4 warps beat 8
+TILES = GemvTiles(16, 256, 4, 6)
+# srt takes this kernel over the W8A8 one up to this many rows: at 1 row a decode step's projections took 1.81 vs
+# 2.10 ms (E4B) and 10.95 vs 12.32 (31B); at 2 rows E4B's were no faster (2.10 vs 2.10), at 4 slower (2.89 vs 2.10)
+FASTER_THAN_W8A8_ROWS = 1
+# K-chunks: up to this many programs (the sweep: 320-336 programs fast, 640-672 slow), else, where one chunk would
+# already give more, chunks of at most MAX_STEPS K-steps (31B qkv: 39.2 us in 21 steps, 35.0 in 3 chunks of 7)
+FEW_PROGRAMS = 400
+MAX_STEPS = 8
 
 
 def gemv_splits(n: int, k: int) -> int:
-    """K-chunks of a partial-sums projection: enough programs for a few waves of the H100's 132 SMs."""
-    splits = 1
-    while n // DEFAULT_TILES.block_n * splits < 4 * 132 and k % (2 * splits * DEFAULT_TILES.block_k) == 0:
-        splits *= 2
-    return splits
-
-
-def gemv_tiles(splits: int | str) -> GemvTiles:
-    return TILES.get(splits, DEFAULT_TILES)
+    """srt's K-chunks for an [n, k] weight's partial sums (`FEW_PROGRAMS`, `MAX_STEPS`); 1 where BLOCK_K does not
+    divide k (`gemv_fits` then refuses the shape)."""
+    steps, programs = k // TILES.block_k, n // TILES.block_n
+    if steps == 0 or k % TILES.block_k:
+        return 1
+    divisors = [s for s in range(1, steps + 1) if steps % s == 0]
+    if programs > FEW_PROGRAMS:
+        return next(s for s in divisors if steps // s <= MAX_STEPS)
+    return max(s for s in divisors if programs * s <= FEW_PROGRAMS or s == 1)
 
 
 def decode_gemv_applies(x: torch.Tensor, weight: torch.Tensor, block_k: int, splits: int | str) -> bool:
-    """Whether `decode_linear_gemv` (splits: a count) or `decode_gelu_mlp_gemv` (GATED) runs x @ w^T for an
-    Fp8Linear's [N, K] weight with `block_k` columns per scale: CUDA, a 16-bit x, a contiguous weight, and
-    `gemv_fits`."""
-    if not (ENABLED and x.is_cuda and kernel_runs_on(x.device, _fp8_gemv_kernel)):
+    """Whether srt runs x @ w^T for an Fp8Linear's [N, K] weight with `block_k` columns per scale in this kernel
+    (`decode_linear_gemv` over `splits` K-chunks, or `decode_gelu_mlp_gemv` for GATED): CUDA, a 16-bit x of up to
+    FASTER_THAN_W8A8_ROWS rows, a contiguous weight, and `gemv_fits`."""
+    if not (SRT_TAKES_IT and x.is_cuda and kernel_runs_on(x.device, _fp8_gemv_kernel)):
         return False
-    fits = gemv_fits(x.shape[0], weight.shape[0], x.shape[1], block_k, splits)
+    rows, k = x.shape
+    fits = rows <= FASTER_THAN_W8A8_ROWS and gemv_fits(rows, weight.shape[0], k, block_k, splits)
     return fits and x.dtype in (torch.bfloat16, torch.float16) and weight.is_contiguous()
 
 
-def gemv_fits(rows: int, n: int, k: int, block_k: int, splits: int | str) -> bool:
-    """The shape rules: 1-4 rows, per-channel scales (block_k >= k), and srt's tiles divide N (each half of it
+def gemv_fits(rows: int, n: int, k: int, block_k: int, splits: int | str, tiles: GemvTiles = TILES) -> bool:
+    """What the kernel takes: 1-4 rows, per-channel scales (block_k >= k), and `tiles` dividing N (each half of it
     for GATED) and the K-chunks."""
     n = n // 2 if splits == GATED else n
     chunks = 1 if splits == GATED else splits
-    tiles = gemv_tiles(splits)
     return 0 < rows <= MAX_ROWS and block_k >= k and n % tiles.block_n == 0 and k % (chunks * tiles.block_k) == 0
 
 
@@ -147,7 +157,7 @@ def decode_linear_gemv(
     rows, n = x.shape[0], weight.shape[0]
     shape = (rows, n) if splits == 1 else (splits, rows, n)
     out = torch.empty(shape, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-    _launch(x, weight, scale, out, splits, n, tiles or gemv_tiles(splits), gated=False)
+    _launch(x, weight, scale, out, splits, n, tiles or TILES, gated=False)
     return out
 
 
@@ -158,7 +168,7 @@ def decode_gelu_mlp_gemv(
     and per-channel scale; call where `decode_gemv_applies(x, weight, block_k, GATED)`."""
     rows, n = x.shape[0], weight.shape[0] // 2
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    _launch(x, weight, scale, out, 1, n, tiles or gemv_tiles(GATED), gated=True)
+    _launch(x, weight, scale, out, 1, n, tiles or TILES, gated=True)
     return out
 
 

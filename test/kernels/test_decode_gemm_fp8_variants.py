@@ -188,10 +188,11 @@ LAYER_SHAPES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("strategy", ["channel", "block"])
-@pytest.mark.parametrize("rows", [1, 32])
+@pytest.mark.parametrize("rows", [2, 32])
 def test_fp8_projections_decode_as_w8a8(strategy: str, rows: int) -> None:
     """`project` / `gelu_mlp` of an Fp8Linear at decode sizes on Hopper take the W8A8 kernel with srt's tiles and
-    give the W8A8 product: activations quantized per row and K-step, within float32 / bf16 rounding."""
+    give the W8A8 product: activations quantized per row and K-step, within float32 / bf16 rounding. (One row of
+    per-channel weights takes the CUDA-core kernel: test_decode_gemv_fp8_kernel.py.)"""
     from srt.layers.linear import gelu_mlp, project
 
     for n, k, splits in LAYER_SHAPES:

@@ -109,14 +109,20 @@ def test_fits_per_channel_weights_of_one_to_four_rows_only() -> None:
     assert gemv_fits(1, 2560, 10240, 10240, 4) and gemv_fits(4, 20480, 2560, 2560, GATED)
     assert not gemv_fits(5, 2560, 10240, 10240, 4)
     assert not gemv_fits(1, 2560, 10240, 128, 4)  # 128 x 128 block scales
-    assert not gemv_fits(1, 2560, 2560, 2560, 4)  # K-chunks of 640: no whole number of 512-byte steps
+    assert not gemv_fits(1, 2816, 2112, 2112, 1)  # 26B-A4B's dense down: K no multiple of 256
+    assert not gemv_fits(1, 2560, 2560, 2560, 4)  # K-chunks of 640: no whole number of 256-byte steps
     assert not decode_gemv_applies(torch.zeros(1, 2560).bfloat16(), torch.zeros(2560, 2560), 2560, 5)  # CPU
 
 
-def test_splits_give_a_few_waves_of_programs() -> None:
-    assert gemv_splits(2560, 10240) == 2  # E4B down: 320 programs a chunk
-    assert gemv_splits(16384, 5376) == 1  # 31B qkv: 2048 programs
-    assert gemv_splits(3072, 2560) == 1  # E4B qkv (sliding): 384 programs; halves are no whole 512-byte steps
+def test_splits_keep_few_programs_or_short_chunks() -> None:
+    """Up to FEW_PROGRAMS programs of 16 columns; where one chunk already has more, chunks of <= 8 K-steps."""
+    assert gemv_splits(3072, 2560) == 2  # E4B qkv (sliding): 192 programs a chunk
+    assert gemv_splits(6144, 2560) == 1  # E4B qkv (full): 384
+    assert gemv_splits(2560, 10240) == 2  # E4B down: 160 a chunk, 40 steps
+    assert gemv_splits(2048, 2560) == 2  # E4B q of KV-shared sliding layers: 128 a chunk, halves of 10 steps
+    assert gemv_splits(5376, 21504) == 1  # 31B down: 336 programs
+    assert gemv_splits(16384, 5376) == 3  # 31B qkv (sliding): 1024 programs, 21 steps -> 3 chunks of 7
+    assert gemv_splits(2816, 2112) == 1  # no whole steps: gemv_fits refuses it
 
 
 # E4B qkv (sliding), o (full), gate_up, down; 31B qkv (full), gate_up, down: 256-byte K-steps fit them all
@@ -145,3 +151,24 @@ def test_gemv_at_gemma4_shapes(rows: int, stages: int) -> None:
         assert torch.isfinite(out).all(), (n, k, splits)
         bound = 1e-3 if splits not in (1, GATED) else BOUNDS[splits]
         assert relative_error(summed(out), expected(x, layer, splits)) < bound, (n, k, splits)
+
+
+@pytest.mark.gpu
+def test_one_row_fp8_projections_take_the_gemv() -> None:
+    """`project` / `gelu_mlp` of a per-channel Fp8Linear for one row on CUDA: srt's tiles and K-chunks, the
+    weight-only product (no activation quantization), at E4B's and 31B's shapes."""
+    from srt.layers.linear import gelu_mlp, project
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for n, k, kind in GPU_SHAPES:
+        layer = fp8_layer(n, k, "channel", "cuda", seed=n + k)
+        x = torch.randn(1, k, device="cuda").bfloat16()
+        splits = GATED if kind == GATED else gemv_splits(n, k)
+        assert decode_gemv_applies(x, layer.weight, layer.block_k, splits), (n, k)
+        assert not decode_gemv_applies(torch.cat([x, x]), layer.weight, layer.block_k, splits)  # 2 rows: W8A8
+        out = gelu_mlp(x, layer) if splits == GATED else project(x, layer)
+        assert out.shape[0] == splits or splits in (1, GATED), (n, k, out.shape)
+        form = splits if splits == GATED or out.dim() == 3 else 1  # one K-chunk: the product in x's dtype
+        bound = 1e-3 if out.dim() == 3 else 1e-2
+        assert relative_error(summed(out), expected(x, layer, form)) < bound, (n, k)
