@@ -41,8 +41,9 @@ from srt.kernels.decode_gemm_fp8_variants import (  # noqa: E402
 from srt.kernels.decode_gemv_fp8 import GemvTiles, decode_gelu_mlp_gemv, decode_linear_gemv  # noqa: E402
 from srt.kernels.gelu_mul import gelu_tanh_mul_packed  # noqa: E402
 
-# the 2026-11-27 sweeps: Triton's pipeline beat the hand prefetch (stages 0) at every shape, 4 warps beat 8, BLOCK_K
-# 1024 never won; 4 stages beat 2
+# the first sweep of 2026-11-27 (tune-decode-gemv-fp8-h100-first.json; the kernel also loaded the next K-step by
+# hand then, "stages 0", since dropped): Triton's pipeline beat that at every shape (E4B's step 2.3 -> 1.8 ms at one
+# row), 4 warps beat 8, BLOCK_K 1024 never won, 4 stages beat 2
 GRID = [GemvTiles(n, k, 4, s) for n in (8, 16, 32) for k in (256, 512) for s in (4, 6, 8)]
 SPLITS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 MAX_ACC_PER_THREAD = 128  # float32 accumulators a thread may hold (rows x BLOCK_N x BLOCK_K x halves / threads)

@@ -1,4 +1,4 @@
-"""FP8 projections of 1-4 rows (batch-1 decode, a batch-1 MTP verify step) on the CUDA cores, weight-only.
+"""FP8 projections of one row (batch-1 decode) on the CUDA cores, weight-only (#26).
 
 At these sizes a projection is a stream of weight bytes, and the tensor-core kernels (`decode_gemm_fp8.py`,
 `decode_gemm_fp8_variants.py`) pad the rows to the MMA's 16 or 64 and either convert every weight e4m3 -> bf16
@@ -6,12 +6,12 @@ in the conversion units (16 results per clock per SM on sm90) or quantize x and 
 on an H100 they ran E4B's projections at ~1.5x their bytes' floor (`docs/benchmarks.md`). Here each program
 loads [BLOCK_N, BLOCK_K] weight bytes with plain vector loads, turns each byte into a float32 with integer ops
 (`e4m3_bits_as_f32`: no conversion instruction) and multiplies it by x in float32 FMAs, keeping one product
-per loaded value in registers and summing along K once, at the end. The next K-step's weights are loaded
-before this step's FMAs, and the first step's before the chained wait (weights are constant), so a program
-always has loads in flight.
+per loaded value in registers and summing along K once, at the end. Triton's software pipeline keeps 5 K-steps
+of weights in flight per program (the sweep: 1.3x faster than loading the next step by hand before the FMAs).
 
-Per-channel scales only (`--quantization fp8`, FP8-dynamic checkpoints); 128 x 128 block scales keep the W8A8
-kernel. Outputs as `decode_gemm_fp8.py`: `decode_linear_gemv` gives the product in x's dtype (splits == 1) or
+srt runs it for one row (`FASTER_THAN_W8A8_ROWS`); the kernel takes up to 4 (at 2 and 4 the W8A8 kernel was as fast
+or faster). Per-channel scales only (`--quantization fp8`, FP8-dynamic checkpoints); 128 x 128 block scales keep
+the W8A8 kernel. Outputs as `decode_gemm_fp8.py`: `decode_linear_gemv` gives the product in x's dtype (splits == 1) or
 [splits, rows, N] float32 partial sums over K-chunks for the norm kernels; `decode_gelu_mlp_gemv` gives
 gelu_tanh(gate) * up of the stacked gate/up weight, each program taking a gate block and the matching up block.
 Weight-only numerics: exact products, float32 sums, one rounding to x's dtype. Chained (PDL), graph-safe.
@@ -36,7 +36,7 @@ class GemvTiles(NamedTuple):
     block_n: int  # output columns (weight rows) of a program; for GATED, of each half
     block_k: int  # weight bytes of a row per K-step
     warps: int = 4
-    stages: int = 0  # 0: the next K-step loaded by hand ahead of the FMAs; else Triton's pipeline of this depth
+    stages: int = 6  # the depth of Triton's software pipeline over K-steps
 
 
 # the scale that `e4m3_bits_as_f32` leaves on every value (2^-120), undone in the epilogue; constexpr: compiled
@@ -74,27 +74,13 @@ def _fp8_gemv_kernel(
     x_mask = offs_r[:, None, None] < rows
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros_like(acc)
-    if STAGES == 0:  # the next K-step's weights loaded by hand before this step's FMAs
-        w = tl.load(w_ptrs)  # constant weights: loaded before the wait
-        w_up = tl.load(w_ptrs + up_bytes) if GATED else w
-        pdl_start(USE_PDL)  # x comes from the kernel ahead
-        for step in range(0, k_per_split, BLOCK_K):
-            has_next = step + BLOCK_K < k_per_split
-            next_w = tl.load(w_ptrs + (step + BLOCK_K), mask=has_next, other=0)  # in flight during the FMAs
-            x = tl.load(x_ptrs + step, mask=x_mask, other=0.0).to(tl.float32)
-            acc += e4m3_bits_as_f32(w) * x
-            w = next_w
-            if GATED:
-                next_up = tl.load(w_ptrs + up_bytes + (step + BLOCK_K), mask=has_next, other=0)
-                acc_up += e4m3_bits_as_f32(w_up) * x
-                w_up = next_up
-    else:  # Triton's software pipeline: STAGES - 1 K-steps of weights in flight through shared memory
-        pdl_start(USE_PDL)
-        for step in tl.range(0, k_per_split, BLOCK_K, num_stages=STAGES):
-            x = tl.load(x_ptrs + step, mask=x_mask, other=0.0).to(tl.float32)
-            acc += e4m3_bits_as_f32(tl.load(w_ptrs + step)) * x
-            if GATED:
-                acc_up += e4m3_bits_as_f32(tl.load(w_ptrs + up_bytes + step)) * x
+    pdl_start(USE_PDL)  # x comes from the kernel ahead
+    # Triton's software pipeline keeps STAGES - 1 K-steps of weights in flight (through shared memory)
+    for step in tl.range(0, k_per_split, BLOCK_K, num_stages=STAGES):
+        x = tl.load(x_ptrs + step, mask=x_mask, other=0.0).to(tl.float32)
+        acc += e4m3_bits_as_f32(tl.load(w_ptrs + step)) * x
+        if GATED:
+            acc_up += e4m3_bits_as_f32(tl.load(w_ptrs + up_bytes + step)) * x
     out_dtype = out_ptr.dtype.element_ty
     result = tl.sum(acc, axis=2) * (tl.load(scale_ptr + offs_n) * _UNDO_BITS_SCALE)[None, :]
     if GATED:  # the GEMM's two rounded outputs, then gelu_tanh_mul's rounding

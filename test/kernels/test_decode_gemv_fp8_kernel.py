@@ -76,11 +76,11 @@ def test_e4m3_bits_become_float32_values_times_2_to_the_minus_120_exactly() -> N
 
 
 @pytest.mark.usefixtures("interpreter")
-@pytest.mark.parametrize("stages", [0, 2])
+@pytest.mark.parametrize("stages", [1, 3])
 @pytest.mark.parametrize("rows", [1, 3, 4])
 def test_gemv_matches_the_dequantized_reference(rows: int, stages: int) -> None:
-    """K 256 over 64-byte K-steps (4 steps: the next step's weights loaded ahead by hand and the last load masked,
-    or Triton's pipeline), 1 and 2 K-chunks, gate_up with gelu * up; a row count that pads (3 of 4)."""
+    """K 256 over 64-byte K-steps (4 steps, with and without a software pipeline), 1 and 2 K-chunks, gate_up with
+    gelu * up; a row count that pads (3 of 4)."""
     layer = fp8_layer(64, 256, "channel", seed=64 + 256)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
     for splits in (1, 2, GATED):
@@ -140,7 +140,7 @@ GPU_SHAPES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages", [0, 3])
+@pytest.mark.parametrize("stages", [1, 6])
 @pytest.mark.parametrize("rows", [1, 4])
 def test_gemv_at_gemma4_shapes(rows: int, stages: int) -> None:
     if not torch.cuda.is_available():
