@@ -11,6 +11,7 @@ Where a model op runs (the modules that call them are in `srt/layers/` and `srt/
     MLP gelu(gate) * up                        gelu_mul.py                   gelu_tanh_mul_reference
     decode-sized projections (Hopper)          decode_gemm.py                F.linear (cuBLAS)
     decode-sized FP8 projections, W8A8         decode_gemm_fp8_variants.py   x rounded per row, K-step + F.linear
+    ... one row (CUDA cores, weight-only)      decode_gemv_fp8.py            Fp8Linear.dequantized + F.linear
     ... weight-only, where W8A8 tiles don't fit decode_gemm_fp8.py           Fp8Linear.dequantized + F.linear
     FP8 activations (prefill, per token/group) fp8_quant.py                  quantize_fp8_reference
     block-scaled FP8 projections (prefill)     fp8_block_gemm.py             block_fp8_gemm_reference
