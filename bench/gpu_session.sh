@@ -76,7 +76,7 @@ stage_fp8() {  # bf16 vs --quantization fp8 side by side: decode E4B batch 1 and
                 --json "$RESULTS/fp8-prefill-$model-$quant.json" 2>&1 | grep -E "^batch|Error|error"
         done
     done
-    [[ $parts == *" tests "* ]] && TESTS="test/kernels/test_decode_gemm_fp8_kernel.py \
+    [[ $parts == *" tests "* ]] && TESTS="test/kernels/test_decode_gemm_fp8_kernel.py test/kernels/test_decode_gemv_fp8_kernel.py \
         test/kernels/test_fp8_quant_kernel.py test/kernels/test_fp8_block_gemm_kernel.py test/test_fp8_linear.py \
         test/layers/test_linear.py" \
         stage_tests
