@@ -19,6 +19,7 @@ Weight-only numerics: exact products, float32 sums, one rounding to x's dtype. C
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -108,6 +109,7 @@ MAX_STEPS = 8
 FILLING_PROGRAMS = 1024
 
 
+@functools.cache  # asked at every FP8 projection's call
 def gemv_splits(n: int, k: int) -> int:
     """srt's K-chunks for an [n, k] weight's partial sums (`FEW_PROGRAMS`, `MAX_STEPS`, `FILLING_PROGRAMS`); 1 where
     BLOCK_K does not divide k (`gemv_fits` then refuses the shape)."""
