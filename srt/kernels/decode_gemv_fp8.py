@@ -102,7 +102,7 @@ FASTER_THAN_W8A8_ROWS = 1
 # already give more, chunks of at most MAX_STEPS K-steps (31B qkv: 39.2 us in 21 steps, 35.0 in 3 chunks of 7)
 FEW_PROGRAMS = 400
 MAX_STEPS = 8
-# ... except behind a kernel that holds every SM to its end (the MLP's down, K > 2N, behind the gate_up GEMV): its
+# ... except behind a kernel that holds every SM to its end (the MLP's down, K >= 2N, behind the gate_up GEMV): its
 # chained programs take the slots of the first programs to finish and pile onto a few SMs unless there are enough
 # to fill them all. E4B at batch 1 (H100, 2026-11-27): down in 2 chunks (320 programs) 21 us a layer in the model
 # against 11.7 alone, a decode step 3.43 ms; 4 chunks 3.17, 8 (1280 programs) 3.12, 10 3.14.
@@ -117,7 +117,7 @@ def gemv_splits(n: int, k: int) -> int:
     if steps == 0 or k % TILES.block_k:
         return 1
     divisors = [s for s in range(1, steps + 1) if steps % s == 0]
-    if k > 2 * n:
+    if k >= 2 * n:  # the MLP's down (E4B and 31B: K = 4N; 2N where tensor parallelism halves K)
         return next((s for s in divisors if programs * s >= FILLING_PROGRAMS), steps)
     if programs > FEW_PROGRAMS:
         return next(s for s in divisors if steps // s <= MAX_STEPS)

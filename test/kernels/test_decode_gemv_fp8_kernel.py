@@ -116,12 +116,13 @@ def test_fits_per_channel_weights_of_one_to_four_rows_only() -> None:
 
 def test_splits_keep_few_programs_or_short_chunks() -> None:
     """Up to FEW_PROGRAMS programs of 16 columns; where one chunk already has more, chunks of <= 8 K-steps; the MLP's
-    down (K > 2N) at least FILLING_PROGRAMS."""
+    down (K >= 2N) at least FILLING_PROGRAMS."""
     assert gemv_splits(3072, 2560) == 2  # E4B qkv (sliding): 192 programs a chunk
     assert gemv_splits(6144, 2560) == 1  # E4B qkv (full): 384
     assert gemv_splits(2560, 10240) == 8  # E4B down: 160 a chunk -> 1280
     assert gemv_splits(2048, 2560) == 2  # E4B q of KV-shared sliding layers: 128 a chunk, halves of 10 steps
     assert gemv_splits(5376, 21504) == 4  # 31B down: 336 a chunk -> 1344
+    assert gemv_splits(5376, 10752) == 6  # 31B down over 2 GPUs: 42 steps; thirds give 1008 programs, sixths 2016
     assert gemv_splits(5376, 8192) == 1  # 31B o (sliding): 336 programs
     assert gemv_splits(16384, 5376) == 3  # 31B qkv (sliding): 1024 programs, 21 steps -> 3 chunks of 7
     assert gemv_splits(2816, 2112) == 1  # no whole steps: gemv_fits refuses it
