@@ -3,7 +3,7 @@
 #
 #     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase graph_steps yoco tune_norm moe moe_fp8
 #                                              serving serving_ab serving_ref profile mtp mm grammar tp tp_tests
-#                                              tp_decode tp_prefill tp_serving fp8 fp8kv)
+#                                              tp_decode tp_prefill tp_serving fp8 fp8kv fp8_gemv)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
 # serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
@@ -80,6 +80,20 @@ stage_fp8() {  # bf16 vs --quantization fp8 side by side: decode E4B batch 1 and
         test/kernels/test_fp8_quant_kernel.py test/kernels/test_fp8_block_gemm_kernel.py test/test_fp8_linear.py \
         test/layers/test_linear.py" \
         stage_tests
+}
+
+stage_fp8_gemv() {  # the one-row FP8 kernel: its sweep (bench/tune/tune_decode_gemv_fp8.py), then batch-1 decode with
+    # it and without (SRT_FP8_GEMV=0: W8A8) for GEMV_MODELS (default "E4B 31B"), FP8 weights + FP8 KV, 512 context
+    timeout 300 python3 bench/tune/tune_decode_gemv_fp8.py --out "$RESULTS/tune-decode-gemv-fp8-h100.json" 2>&1 \
+        | grep -E "^\[|^  |Error|error" | grep -v "^  ptx"
+    for model in ${GEMV_MODELS:-E4B 31B}; do
+        for gemv in 1 0; do
+            echo "--- $model SRT_FP8_GEMV=$gemv"
+            SRT_FP8_GEMV=$gemv timeout 200 $BENCH --model-path gemma-4-$model-it --quantization fp8 \
+                --kv-cache-dtype fp8_e4m3 --batch-size 1 --input-len 512 --output-len 32 \
+                --json "$RESULTS/fp8-gemv-$model-$gemv.json" 2>&1 | grep -E "^batch|Error|error" | grep -v floor
+        done
+    done
 }
 
 stage_fp8kv() {  # decode with --kv-cache-dtype auto beside fp8_e4m3, alternated (E4B batch 1 and 32, 512 context)
