@@ -149,7 +149,8 @@ class Timer(NamedTuple):
         return 1e6 * seconds / len(weights)
 
 
-def _error(out: torch.Tensor, expected: torch.Tensor) -> float:
+def summed_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """Max |error| over max |expected|, partial sums ([splits, rows, N]) summed first."""
     out = out.sum(0) if out.dim() == 3 else out
     return float((out.float() - expected).abs().max() / expected.abs().max())
 
@@ -205,7 +206,7 @@ class ProjectionSweep:
         try:
             started = time.perf_counter()
             first = call(self.layers[0]) if self.timer.smoke else self.ptx.capture(key, lambda: call(self.layers[0]))
-            error = _error(first, self.expected)
+            error = summed_error(first, self.expected)
             self.seconds["first calls"] += time.perf_counter() - started
             if not error <= ERROR_BOUNDS.get(config.family, WEIGHT_ONLY_BOUND):
                 return {**entry, "us": None, "rel_err": error, "error": "wrong result"}
@@ -278,7 +279,7 @@ def baselines(projection: Projection, x: torch.Tensor, layers: list[Fp8Linear], 
         quantized = quantize_fp8(x) if out["scaled_mm_with_quant_us"] is not None else None
         out["scaled_mm_us"] = _try_us(timer, lambda p: scaled_mm(p, quantized), pairs) if quantized else None
         if quantized is not None:
-            out["scaled_mm_rel_err"] = _error(scaled_mm(pairs[0]), expected)
+            out["scaled_mm_rel_err"] = summed_error(scaled_mm(pairs[0]), expected)
     return out
 
 

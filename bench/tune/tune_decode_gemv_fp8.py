@@ -29,7 +29,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).res
 from floors import measure_device_rates  # noqa: E402
 from fp8_decode_plan import MODELS, Projection, projections  # noqa: E402
 from timing import write_json  # noqa: E402
-from tune_decode_gemm_fp8 import L2_OVERFLOW_BYTES, Timer, fp8_layers  # noqa: E402
+from tune_decode_gemm_fp8 import L2_OVERFLOW_BYTES, Timer, fp8_layers, summed_error  # noqa: E402
 
 from srt.kernels.decode_gemm import GATED  # noqa: E402
 from srt.kernels.decode_gemm_fp8_variants import (  # noqa: E402
@@ -38,7 +38,7 @@ from srt.kernels.decode_gemm_fp8_variants import (  # noqa: E402
     decode_w8a8_applies,
     w8a8_splits,
 )
-from srt.kernels.decode_gemv_fp8 import GemvTiles, decode_gelu_mlp_gemv, decode_linear_gemv  # noqa: E402
+from srt.kernels.decode_gemv_fp8 import GemvTiles, decode_gelu_mlp_gemv, decode_linear_gemv, gemv_fits  # noqa: E402
 from srt.kernels.gelu_mul import gelu_tanh_mul_packed  # noqa: E402
 
 # the first sweep of 2026-11-27 (tune-decode-gemv-fp8-h100-first.json; the kernel also loaded the next K-step by
@@ -52,21 +52,12 @@ W8A8_BOUND = 0.08  # W8A8: the activations' e4m3 rounding besides
 
 
 def fits(tiles: GemvTiles, projection: Projection, rows: int, splits: int) -> bool:
+    """The kernel's shape rules (`gemv_fits`) and a register budget for the accumulators."""
     halves = 2 if projection.kind == GATED else 1
     rows_p2 = 1 << (rows - 1).bit_length()
     registers = rows_p2 * tiles.block_n * tiles.block_k * halves / (32 * tiles.warps)
-    chunk = projection.k // splits
-    return (
-        registers <= MAX_ACC_PER_THREAD
-        and projection.out_n % tiles.block_n == 0
-        and projection.k % splits == 0
-        and chunk % tiles.block_k == 0
-    )
-
-
-def error(out: torch.Tensor, expected: torch.Tensor) -> float:
-    out = out.sum(0) if out.dim() == 3 else out
-    return float((out.float() - expected).abs().max() / expected.abs().max())
+    kind = GATED if projection.kind == GATED else splits
+    return registers <= MAX_ACC_PER_THREAD and gemv_fits(rows, projection.n, projection.k, projection.k, kind, tiles)
 
 
 def run_projection(projection: Projection, rows: int, timer: Timer, copy_rate: float) -> dict:
@@ -84,7 +75,7 @@ def run_projection(projection: Projection, rows: int, timer: Timer, copy_rate: f
 
     def timed(call, bound: float = BOUND) -> tuple[float | None, float | None, str | None]:
         try:
-            err = error(call(layers[0]), expected)
+            err = summed_error(call(layers[0]), expected)
             if not err <= bound:
                 return None, err, "wrong result"
             return timer.us(call, layers), err, None
