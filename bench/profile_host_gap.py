@@ -24,14 +24,14 @@ from srt.sampling.sampling_params import SamplingParams
 from srt.server_args import ServerArgs
 
 
-def decoding_scheduler(args: argparse.Namespace, count: int) -> Scheduler:
-    """A scheduler from the server flags in `args` with `count` requests of 64-token prompts that decode until
-    stopped (rids decode-0, decode-1, ...), not stepped yet."""
+def decoding_scheduler(args: argparse.Namespace, count: int, prompt_len: int = 64) -> Scheduler:
+    """A scheduler from the server flags in `args` with `count` requests of `prompt_len`-token prompts that decode
+    until stopped (rids decode-0, decode-1, ...), not stepped yet."""
     scheduler = Scheduler(ServerArgs.from_cli(args))
     vocab = scheduler.runner.model_config.vocab_size
     forever = SamplingParams(temperature=0.0, max_new_tokens=10**6, ignore_eos=True)
     for i in range(count):
-        ids = [(13 * j + i) % (vocab - 3) + 3 for j in range(64)]
+        ids = [(13 * j + i) % (vocab - 3) + 3 for j in range(prompt_len)]
         scheduler.add_request(TokenizedGenerateReq(rid=f"decode-{i}", input_ids=ids, sampling_params=forever))
     return scheduler
 

@@ -1,15 +1,18 @@
 """Does the GPU wait for the host between back-to-back prompt steps? (fast-prefill's waves, #22)
 
     PYTHONPATH=. python bench/prompt_step_idle.py --model-path gemma-4-E4B-it --load-format dummy \\
-        [--decoding 7] [--prompts 6] [--prompt-len 8192] [--trace /tmp/wave.json] [--sync-sites]
+        [--decoding 7] [--decoding-len 64] [--prompts 6] [--prompt-len 8192] [--trace /tmp/wave.json] \\
+        [--kernels 12] [--sync-sites]
 
 One scheduler in this process (no server), the overlap schedule on: `--decoding` requests decode while
 `--prompts` prompts of `--prompt-len` tokens arrive at once, so that their prompt steps run back to back, each
-with the decoding requests' rows (a wave of fast-prefill at concurrency 8). Printed per prompt step: the host's
-wall time between the reads of two consecutive steps' tokens, and, from a torch.profiler trace of the wave, the
-device's kernel time and its idle time (no kernel running) over the same stretch. Idle time there is time the
-host's launch of the next step did not cover: a read-back inside a launch makes the host wait for the step
-before it, and the rest of the launch then runs with the GPU empty.
+with the decoding requests' rows (a wave of fast-prefill at concurrency 8; `--decoding-len 8192` gives the
+decoding requests fast-prefill's contexts, `--decoding 26` about concurrency 32's count). Printed per prompt
+step: the host's wall time between the reads of two consecutive steps' tokens, and, from a torch.profiler trace
+of the wave, the device's kernel time and its idle time (no kernel running) over the same stretch. Idle time
+there is time the host's launch of the next step did not cover: a read-back inside a launch makes the host wait
+for the step before it, and the rest of the launch then runs with the GPU empty. `--kernels N` adds each prompt
+step's N costliest kernels on the critical path (`kernel_timeline.critical_path`).
 
 `--sync-sites` also turns on torch's sync debug mode during the wave and prints each call site in srt that
 made the host wait for the device (the stack's innermost srt frame), with counts.
@@ -41,12 +44,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ServerArgs.add_cli_args(parser)
     parser.add_argument("--decoding", type=int, default=7, help="Requests decoding beside the prompts.")
+    parser.add_argument("--decoding-len", type=int, default=64, help="Prompt tokens of each decoding request.")
     parser.add_argument("--prompts", type=int, default=6, help="Prompts of the timed wave.")
     parser.add_argument("--prompt-len", type=int, default=8192, help="Tokens per prompt.")
     parser.add_argument("--trace", default="/tmp/prompt-wave.json", help="Where the wave's Chrome trace goes.")
+    parser.add_argument("--kernels", type=int, default=0, help="Kernels listed per prompt step (critical path).")
     parser.add_argument("--sync-sites", action="store_true", help="List the call sites that wait for the GPU.")
     args = parser.parse_args()
-    scheduler = decoding_scheduler(args, args.decoding)
+    scheduler = decoding_scheduler(args, args.decoding, args.decoding_len)
     vocab = scheduler.runner.model_config.vocab_size
     one = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
 
@@ -64,6 +69,9 @@ def main() -> None:
                     pass
         return reads
 
+    decoding: set[str] = set()  # until every decoding request has its first token (long prompts take steps)
+    while len(decoding) < args.decoding:
+        decoding.update(o.rid for o in scheduler.step() if o.new_token_ids)
     for _ in range(4):
         scheduler.step()
     wave("warm")  # compiles and first-time allocations
@@ -78,25 +86,28 @@ def main() -> None:
     if args.sync_sites and on_gpu:
         torch.cuda.set_sync_debug_mode(0)
     prof.export_chrome_trace(args.trace)
-    report(reads, args.trace)
+    report(reads, args.trace, args.kernels)
     for site, count in sites.most_common(30):
         print(f"  waits for the GPU {count:4d}x  {site}")
 
 
-def report(reads: list[float], trace: str) -> None:
-    """Per prompt step (between consecutive first-token reads): host wall ms, device busy and idle ms."""
+def report(reads: list[float], trace: str, kernels: int = 0) -> None:
+    """Per prompt step (between consecutive first-token reads): host wall ms, device busy and idle ms, and the
+    `kernels` costliest kernel names on the critical path."""
     windows = busy_and_idle(Path(trace))
     if not windows:  # a CPU run: no kernels, the host's times only
         print("host ms per prompt step:", [round((b - a) * 1e3, 2) for a, b in zip(reads, reads[1:])])
         return
     print(" step   host ms   busy ms   idle ms")
-    for i, (busy, idle) in enumerate(windows, 1):
+    for i, (busy, idle, by_name) in enumerate(windows, 1):
         print(f" {i:4d} {(reads[i] - reads[i - 1]) * 1e3:9.2f} {busy / 1e3:9.2f} {idle / 1e3:9.2f}")
+        for name, us in by_name.most_common(kernels):
+            print(f"        {us / 1e3:8.2f}  {name}")
 
 
-def busy_and_idle(trace: Path) -> list[tuple[float, float]]:
-    """(us of kernels on the critical path, us with no kernel running) between consecutive READ_MARKs of a
-    torch.profiler trace; [] without kernels."""
+def busy_and_idle(trace: Path) -> list[tuple[float, float, Counter[str]]]:
+    """(us of kernels on the critical path, us with no kernel running, critical-path us per kernel name) between
+    consecutive READ_MARKs of a torch.profiler trace; [] without kernels."""
     events = json.loads(trace.read_text())["traceEvents"]
     path = critical_path(kernels_of(events))
     if not path:
@@ -104,9 +115,12 @@ def busy_and_idle(trace: Path) -> list[tuple[float, float]]:
     marks = sorted(float(e["ts"]) for e in events if e.get("name") == READ_MARK)
     windows = []
     for lo, hi in zip(marks, marks[1:]):
-        busy = sum(exclusive for kernel, exclusive, _ in path if lo <= kernel.start < hi)
+        by_name: Counter[str] = Counter()
+        for kernel, exclusive, _ in path:
+            if lo <= kernel.start < hi:
+                by_name[kernel.name] += exclusive
         idle = sum(idle for kernel, _, idle in path if lo < kernel.start <= hi)
-        windows.append((busy, idle))
+        windows.append((sum(by_name.values()), idle, by_name))
     return windows
 
 

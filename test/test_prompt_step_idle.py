@@ -26,4 +26,6 @@ def test_each_window_between_reads_gets_its_kernels_and_gaps(monkeypatch: pytest
     ]
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"traceEvents": events}))
-    assert prompt_step_idle.busy_and_idle(trace) == [(14.0, 0.0), (2.0, 8.0)]
+    windows = prompt_step_idle.busy_and_idle(trace)
+    assert [(busy, idle) for busy, idle, _ in windows] == [(14.0, 0.0), (2.0, 8.0)]
+    assert [dict(by_name) for _, _, by_name in windows] == [{"gemm": 10.0, "norm": 4.0}, {"attention": 2.0}]
