@@ -80,8 +80,10 @@ def main() -> None:
     if args.sync_sites and on_gpu:
         warnings.showwarning = lambda *a, **k: sites.update([_srt_frame()])
         torch.cuda.set_sync_debug_mode("warn")
-    activity = torch.profiler.ProfilerActivity.CUDA if on_gpu else torch.profiler.ProfilerActivity.CPU
-    with torch.profiler.profile(activities=[activity]) as prof:
+    activities = [torch.profiler.ProfilerActivity.CPU]  # the read marks are CPU annotations
+    if on_gpu:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
         reads = wave("timed")
     if args.sync_sites and on_gpu:
         torch.cuda.set_sync_debug_mode(0)

@@ -449,7 +449,7 @@ def test_mixed_step_on_a_side_stream_equals_one_after_the_other(monkeypatch: pyt
     the fp32 reference."""
     torch.manual_seed(5)
     state = PagedState(make_layers(2, 2, 8, dims=(256, 512), window=512), torch.bfloat16, 16384, 16384)
-    decoding = [state.add_request(n) for n in (3000, 40, 5000, 700)]
+    decoding = [state.add_request(n) for n in (3000, 40, 4000, 700)]  # ReqToTokenPool: 4096 a row
     chunked = state.add_request(600)
     rows, counts = [decoding[0], chunked, *decoding[1:]], [1, 1500, 1, 1, 1]
     out_loc = torch.cat([state.new_slots(row, n) for row, n in zip(rows, counts, strict=True)])
