@@ -54,13 +54,6 @@ SRT_FP8_GEMV = Switch(
     "at import",
     "One-row FP8 projections on the CUDA-core kernel (Hopper); 0 gives them to the W8A8 tensor-core GEMM (A/B runs).",
 )
-SRT_SIDE_STREAM_DECODE_ROWS = Switch(
-    "SRT_SIDE_STREAM_DECODE_ROWS",
-    True,
-    "at import",
-    "In eager steps that mix prompt chunks with decoding requests, the decoding rows' attention runs on a second, "
-    "high-priority CUDA stream beside the prompt's; 0 runs the two one after the other (A/B runs).",
-)
 SRT_DEBUG_KV_INDICES = Switch(
     "SRT_DEBUG_KV_INDICES",
     False,
@@ -68,14 +61,7 @@ SRT_DEBUG_KV_INDICES = Switch(
     "1 checks every KV slot index before it reaches a kernel (slow; for debugging out-of-range reads).",
 )
 
-SWITCHES = (
-    GEMMA4_YOCO,
-    SRT_TRITON_GEMM,
-    SRT_PDL,
-    SRT_FP8_GEMV,
-    SRT_SIDE_STREAM_DECODE_ROWS,
-    SRT_DEBUG_KV_INDICES,
-)
+SWITCHES = (GEMMA4_YOCO, SRT_TRITON_GEMM, SRT_PDL, SRT_FP8_GEMV, SRT_DEBUG_KV_INDICES)
 
 SRT_SIMULATE_ACCEPT_LEN = "SRT_SIMULATE_ACCEPT_LEN"
 

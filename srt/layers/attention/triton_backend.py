@@ -16,9 +16,7 @@ Same semantics as `torch_native`: each query row sees its request's KV positions
   mixes requests of one row (decoding requests) with requests of several (prompt chunks), the one-row
   requests go to the decode kernel and only the others get tiles: a one-row request's tile would compute
   BLOCK_Q x heads rows of scores over its whole KV for one real row (E4B on an H100, steps of one 8k prompt
-  beside 31 decoding requests of up to 8k context: 88.9 -> 86.6 ms, two serving runs). In eager steps the
-  decode kernel runs on a second, high-priority stream beside the extend kernel (memory-bound reads of long
-  contexts next to compute-bound tiles), joined before the rows are put back.
+  beside 31 decoding requests of up to 8k context: 88.9 -> 86.6 ms, two serving runs).
 
 Per-forward metadata is a handful of device tensors made once in `init_forward_metadata` (plus tile tables
 and scratch made at the first layer of each shape and reused by the rest).
@@ -32,13 +30,11 @@ from functools import cache
 import torch
 import triton
 
-from srt import envs
 from srt.configs.model_config import AttentionLayerSpec
 from srt.forward.forward_batch import ForwardBatch
 from srt.forward.host_device import host_to_device
 from srt.kernels.attention.decode import decode_attention, decode_partials, default_decode_config, num_kv_splits
 from srt.kernels.attention.extend import (
-    ExtendConfig,
     build_extend_tiles,
     build_extend_tiles_host,
     default_extend_config,
@@ -56,7 +52,6 @@ INTERPRETER_NUM_SMS = 16
 # at batch 1 from 4.52-4.57 to 4.66-4.88 ms (its grid's programs for tiles without rows cost more than the reads it
 # saves). Batches between were not measured: 8 is an estimate of where the saved reads start to win.
 VERIFY_KERNEL_MIN_REQUESTS = 8
-SIDE_STREAM_DECODE_ROWS = envs.SRT_SIDE_STREAM_DECODE_ROWS.enabled()
 
 
 @cache
@@ -180,49 +175,29 @@ class TritonAttentionBackend(AttentionBackend):
         config = default_extend_config(head_dim, num_heads // k_buffer.shape[1], on_gpu, k_buffer.element_size())
         if config.block_q not in meta.tiles:
             meta.tiles[config.block_q] = _tile_table(meta, batch, num_rows, config.block_q)
-        if meta.one_row is None:
-            _extend(q, out, meta, kv, config)
-            return out
-        # the rows the tiles skip, by the decode kernel; beside the extend kernel where streams allow
-        index = meta.one_row_index
-        one_row_q = q[index]
-        one_row_out = torch.empty_like(one_row_q)
-        if not (SIDE_STREAM_DECODE_ROWS and on_gpu) or torch.cuda.is_current_stream_capturing():
-            _extend(q, out, meta, kv, config)
-            _decode(one_row_q, one_row_out, meta.one_row, kv)
-        else:
-            main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
-            _decode_partials(one_row_q, meta.one_row, kv)  # scratch from the main stream's memory
-            side.wait_stream(main)
-            with torch.cuda.stream(side):  # launched first: its programs take SMs before the extend waves
-                _decode(one_row_q, one_row_out, meta.one_row, kv)
-            _extend(q, out, meta, kv, config)
-            main.wait_stream(side)
-        out.index_copy_(0, index, one_row_out)
+        extend_attention(
+            q,
+            out,
+            k_buffer,
+            v_buffer,
+            req_to_token,
+            full_to_swa,
+            meta.tiles[config.block_q],
+            meta.req_pool_indices,
+            meta.seq_lens,
+            meta.positions,
+            window,
+            config,
+            k_scale,
+            v_scale,
+            meta.last_visible if window is not None else None,
+        )
+        if meta.one_row is not None:  # the rows the tiles skipped
+            index = meta.one_row_index
+            one_row_out = torch.empty((index.shape[0], num_heads, head_dim), dtype=q.dtype, device=q.device)
+            _decode(q[index], one_row_out, meta.one_row, kv)
+            out.index_copy_(0, index, one_row_out)
         return out
-
-
-def _extend(
-    q: torch.Tensor, out: torch.Tensor, meta: TritonAttentionMetadata, kv: _LayerKV, config: ExtendConfig
-) -> None:
-    """The extend kernel over `meta`'s tiles."""
-    extend_attention(
-        q,
-        out,
-        kv.k_buffer,
-        kv.v_buffer,
-        kv.req_to_token,
-        kv.full_to_swa,
-        meta.tiles[config.block_q],
-        meta.req_pool_indices,
-        meta.seq_lens,
-        meta.positions,
-        kv.window,
-        config,
-        kv.k_scale,
-        kv.v_scale,
-        meta.last_visible if kv.window is not None else None,
-    )
 
 
 def _tile_table(meta: TritonAttentionMetadata, batch: ForwardBatch, num_rows: int, block_q: int) -> torch.Tensor:
@@ -266,19 +241,6 @@ class _LayerKV:
     window: int | None
     k_scale: float
     v_scale: float
-
-
-@cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream a mixed step's decoding rows attend on, beside the prompt's extend kernel
-    (SRT_SIDE_STREAM_DECODE_ROWS). High priority: the decode kernel's programs, launched first, take SMs as
-    soon as any free up, so its reads of long KV overlap the extend kernel's math instead of following it."""
-    return torch.cuda.Stream(device, priority=-1)
-
-
-def _decode_partials(q: torch.Tensor, meta: TritonAttentionMetadata, kv: _LayerKV) -> None:
-    """Make the decode kernel's scratch for q's shape now (on the current stream's memory), if not made yet."""
-    _partials(meta, q, num_kv_splits(q.shape[0], kv.k_buffer.shape[1], _num_sms(q.device)))
 
 
 def _decode(q: torch.Tensor, out: torch.Tensor, meta: TritonAttentionMetadata, kv: _LayerKV) -> None:

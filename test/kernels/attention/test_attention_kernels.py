@@ -443,36 +443,6 @@ def test_gemma4_shapes_match_fp32_reference(heads: int, sliding_kv: int, full_kv
 
 @pytest.mark.gpu
 @requires_cuda
-def test_mixed_step_on_a_side_stream_equals_one_after_the_other(monkeypatch: pytest.MonkeyPatch) -> None:
-    """E4B's shapes in bf16: a prompt chunk after a cached prefix beside decoding requests of long contexts. The
-    decoding rows' attention on the side stream gives the same bits as after the extend kernel, and both match
-    the fp32 reference."""
-    torch.manual_seed(5)
-    state = PagedState(make_layers(2, 2, 8, dims=(256, 512), window=512), torch.bfloat16, 16384, 16384)
-    decoding = [state.add_request(n) for n in (3000, 40, 4000, 700)]  # ReqToTokenPool: 4096 a row
-    chunked = state.add_request(600)
-    rows, counts = [decoding[0], chunked, *decoding[1:]], [1, 1500, 1, 1, 1]
-    out_loc = torch.cat([state.new_slots(row, n) for row, n in zip(rows, counts, strict=True)])
-    batch = state.batch(ForwardMode.EXTEND, rows, counts, out_loc)
-    backend, reference = TritonAttentionBackend(), create_attention_backend("torch_native")
-    ref_batch = dataclasses.replace(batch)
-    reference.init_forward_metadata(ref_batch)
-    backend.init_forward_metadata(batch)
-    assert batch.attn_metadata.one_row is not None
-    for spec in state.layers:
-        q = torch.randn(batch.num_tokens, spec.num_heads, spec.head_dim, device=DEVICE, dtype=torch.bfloat16)
-        outputs = []
-        for side_stream in (True, False):
-            monkeypatch.setattr(triton_backend, "SIDE_STREAM_DECODE_ROWS", side_stream)
-            outputs.append(backend.forward(q, spec, batch))
-        torch.testing.assert_close(outputs[0], outputs[1], atol=0, rtol=0)
-        expected = reference.forward(q.float(), spec, ref_batch)
-        assert float((outputs[0].float() - expected).abs().max()) < BF16_TOL, spec
-    state.check_integrity()
-
-
-@pytest.mark.gpu
-@requires_cuda
 def test_tiny_model_greedy_outputs_match_torch_native(tiny_checkpoint) -> None:
     from srt.model_executor.model_runner import ModelRunner
     from srt.model_executor.static_batch import generate_greedy
