@@ -1,0 +1,1 @@
+"""Tensor parallelism over torch.distributed: rank processes, collectives, weight shards."""

@@ -1,0 +1,1 @@
+"""Request management: the scheduler (batching, caching, sampling) and, later, the tokenizer/detokenizer."""

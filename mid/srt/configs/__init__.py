@@ -1,0 +1,1 @@
+"""Model configuration: checkpoint configs through transformers, built-in presets."""

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible API: request models (protocol), completions and chat handlers."""

@@ -1,0 +1,145 @@
+"""The Triton plumbing shared by srt's kernels (`srt/kernels/`).
+
+- `triton`, `tl`, `jit`: the modules and `triton.jit`, or None / an identity decorator on CPU-only installs
+  (no triton): the kernels stay plain functions there and the torch references serve every call.
+- `runs_triton`: each wrapper's `use_triton` switch (None: Triton on CUDA, the reference elsewhere);
+  `kernel_runs_on`: whether a kernel can run on a device at all.
+- `is_interpreted`: whether a kernel runs under Triton's CPU interpreter (TRITON_INTERPRET=1 set before the
+  kernel's module was imported, as test/conftest.py does); `dot_options`: a tl.dot's precision there and on GPU.
+- `round_to`: float32 -> a dtype's nearest value, the same on the GPU and in the interpreter;
+  `round_to_e4m3`: the same for float8_e4m3fn (FP8 KV caches).
+- `has_pdl`, `gdc_wait`, `gdc_launch_dependents`: programmatic dependent launch (Hopper, newer Triton);
+  `pdl_launch` and `pdl_start`: the launch option and the in-kernel prologue of a chained kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from srt import envs
+
+try:
+    import triton
+    import triton.language as tl
+
+    jit = triton.jit
+except ImportError:  # CPU-only installs: the references serve every call, the kernels stay plain functions
+    triton = None
+    tl = None
+    jit = lambda fn: fn  # noqa: E731
+
+try:  # programmatic dependent launch (newer Triton); without it the kernels launch one after the other
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
+
+def is_interpreted(kernel: object) -> bool:
+    """True when `kernel` is Triton's InterpretedFunction: TRITON_INTERPRET=1 was set before its module was
+    imported, so it runs on CPU tensors (and only there)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def dot_options(kernel: object, dtype: torch.dtype) -> tuple[str, bool]:
+    """(PRECISION, UPCAST) of `kernel`'s tl.dot over `dtype` operands. Triton's interpreter multiplies 16-bit
+    floats in tl.dot as raw integers, so there the operands go up to float32 first (UPCAST; products of 16-bit
+    floats are exact in float32: the same math). float32 operands never drop to TF32 on the tensor cores: the
+    torch ops the kernels replace run in full float32."""
+    interpreted = is_interpreted(kernel)
+    return ("ieee" if interpreted or dtype == torch.float32 else "tf32"), interpreted
+
+
+def kernel_runs_on(device: torch.device, kernel: object) -> bool:
+    """Whether `kernel` can run on tensors of `device`: CUDA, or the CPU when it runs in Triton's interpreter."""
+    return triton is not None and (device.type == "cuda" or (device.type == "cpu" and is_interpreted(kernel)))
+
+
+def runs_triton(device: torch.device, use_triton: bool | None, kernel: object) -> bool:
+    """Resolve `use_triton` (None: Triton on CUDA, the reference elsewhere) and check that Triton can run."""
+    if use_triton is None:
+        return device.type == "cuda" and triton is not None
+    if use_triton:
+        if not kernel_runs_on(device, kernel):
+            raise RuntimeError(
+                f"use_triton=True cannot run on {device.type}: needs CUDA, or the CPU with TRITON_INTERPRET=1 "
+                "set before the kernel's module was imported"
+            )
+    return use_triton
+
+
+def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """`x` itself when its last dim is contiguous (the kernels take any row strides), else a contiguous copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+@functools.cache
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """FP8 (e4m3) MMAs: CUDA devices of compute capability 8.9 (Ada) and up (Hopper, ...)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper and later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+# Chained kernels (SRT_PDL=0 turns the chaining off, for A/B runs): a kernel launched with `pdl_launch`'s
+# option may start while the kernel ahead of it still runs; its CTAs get resident and wait in `pdl_start`
+# until that kernel has finished and its writes are visible, so the launch latency hides behind the previous
+# kernel. `pdl_start` must come before the kernel's first store, and before its first load of anything a
+# kernel of the step writes (the wait also orders its writes after the previous kernel's reads); constant
+# weights and the step's metadata, filled before the graph runs, may be read before it.
+PDL_ENABLED = envs.SRT_PDL.enabled()
+
+
+def pdl_launch(device: torch.device, kernel: object) -> dict[str, bool]:
+    """The launch keyword of a chained kernel: {"launch_pdl": True} where PDL runs, else {}; the kernel's
+    USE_PDL constexpr is `bool(pdl_launch(...))`."""
+    chained = PDL_ENABLED and gdc_wait is not None and not is_interpreted(kernel) and has_pdl(device)
+    return {"launch_pdl": True} if chained else {}
+
+
+@jit
+def pdl_start(USE_PDL: tl.constexpr):
+    """A chained kernel's wait for the kernel ahead, then the next one's launch: before the kernel's first
+    store and its first load of anything the step's kernels write (see PDL_ENABLED's comment)."""
+    if USE_PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@jit
+def round_to(x, DTYPE: tl.constexpr):
+    """float32 `x` rounded to DTYPE (round to nearest even), returned as float32.
+
+    bfloat16 rounds in integer ops: Triton's CPU interpreter truncates float32 -> bfloat16 casts where the GPU
+    rounds, and this keeps the tested path and the GPU path the same code (a few integer ops on registers).
+    """
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # NaN stays NaN
+    else:
+        return x.to(DTYPE).to(tl.float32)
+
+
+# float32 additions of this constant round to multiples of 2^-9, e4m3's subnormal spacing: its float32 ulp
+# (constexpr: compiled kernels may read no other globals; the interpreter does not check)
+_E4M3_SUBNORMAL_ROUNDER = tl.constexpr(1.5 * 2.0**14) if tl is not None else 1.5 * 2.0**14
+_E4M3_MIN_NORMAL = tl.constexpr(2.0**-6) if tl is not None else 2.0**-6
+
+
+@jit
+def round_to_e4m3(x):
+    """float32 `x` (|x| <= 448, NaN-free) rounded to the nearest float8_e4m3fn value (ties to even), as float32:
+    then cast to float8e4nv exactly. Integer ops, as in `round_to`: the CPU interpreter's float32 -> fp8 cast
+    neither rounds to nearest even nor carries a rounded-up mantissa into the exponent."""
+    bits = x.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    # fixed spacing 2^-9 below 2^-6; rounded on |x|, the sign put back (-0 stays -0)
+    subnormal = (tl.abs(x) + _E4M3_SUBNORMAL_ROUNDER) - _E4M3_SUBNORMAL_ROUNDER
+    subnormal = (subnormal.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(tl.abs(x) < _E4M3_MIN_NORMAL, subnormal, normal)

@@ -1,0 +1,1 @@
+"""Building blocks of the model: norms, rotary embeddings, attention backends, logits, sampling, MoE."""

@@ -1,0 +1,36 @@
+"""Gemma 4 router: scale-free RMSNorm * scale * hidden^-0.5 -> linear -> softmax -> top-k -> renormalize.
+
+The top-k step is `kernels/moe/routing.py` (one Triton launch on GPU; its torch reference elsewhere, with the
+same tie rule: lower expert id first among equal logits).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from srt.kernels.moe.routing import RoutingResult, topk_routing
+from srt.layers.layernorm import RMSNorm
+
+
+class Router(nn.Module):
+    """Parameters keep transformers' names: norm (no weight), proj, scale, per_expert_scale.
+
+    `backend`: "auto" runs the fused Triton routing kernel on CUDA and the torch reference elsewhere;
+    "torch" always runs the reference (tests compare the two on one GPU).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, eps: float) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.backend = "auto"
+        self.scalar_root_size = hidden_size**-0.5
+        self.norm = RMSNorm(hidden_size, eps=eps, with_scale=False)
+        self.proj = nn.Linear(hidden_size, num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts))
+
+    def forward(self, hidden: torch.Tensor) -> RoutingResult:
+        logits = self.proj(self.norm(hidden) * self.scale * self.scalar_root_size)
+        use_triton = False if self.backend == "torch" else None
+        return topk_routing(logits, self.per_expert_scale, self.top_k, use_triton)
