@@ -1,1 +1,0 @@
-"""Model configuration: checkpoint configs through transformers, built-in presets."""

@@ -1,1 +1,0 @@
-"""Tensor parallelism over torch.distributed: rank processes, collectives, weight shards."""

@@ -1,1 +1,0 @@
-"""The OpenAI-compatible API: request models (protocol), completions and chat handlers."""

@@ -1,1 +1,0 @@
-"""Weights: safetensors checkpoints (single file or sharded) with Hugging Face names, or dummy weights."""

@@ -1,1 +1,0 @@
-"""Building blocks of the model: norms, rotary embeddings, attention backends, logits, sampling, MoE."""

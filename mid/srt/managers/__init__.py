@@ -1,1 +1,0 @@
-"""Request management: the scheduler (batching, caching, sampling) and, later, the tokenizer/detokenizer."""
