@@ -1,6 +1,7 @@
 """Sweep the block shape of the extend (prefill) attention kernel at Gemma 4 prefill shapes, on one GPU.
 
-    PYTHONPATH=. python bench/tune/tune_extend_attention.py [--tokens 8192] [--models ...] [--json out.json]
+    PYTHONPATH=. python bench/tune/tune_extend_attention.py [--tokens 8192] [--models ...] [--json out.json] \\
+        [--kinds sliding full] [--block-m 64 128] [--value-splits 1 2 4]
 
 Shapes: the first sliding and the first full attention layer of each model (heads, KV heads, head_dim and
 window from srt's presets), bf16, one prompt of --tokens tokens prefilled whole (no cached prefix), its K/V
@@ -81,12 +82,14 @@ class ExtendInputs:
         return build_extend_tiles(self.extend_seq_lens, self.q.shape[0], config.block_q)
 
 
-def tuned_layers(models: Sequence[str]) -> list[tuple[str, AttentionLayerSpec]]:
-    """(model, spec) of the first sliding and the first full layer of each model."""
+def tuned_layers(
+    models: Sequence[str], kinds: Sequence[str] = ("sliding", "full")
+) -> list[tuple[str, AttentionLayerSpec]]:
+    """(model, spec) of the first sliding and/or the first full layer of each model."""
     layers = []
     for model in models:
         specs = ModelConfig.from_preset(model).layers
-        layers += [(model, next(s for s in specs if s.is_sliding == sliding)) for sliding in (True, False)]
+        layers += [(model, next(s for s in specs if s.is_sliding == (kind == "sliding"))) for kind in kinds]
     return layers
 
 
@@ -187,12 +190,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="Timed calls per config (median).")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="Compile processes (0: compile inline).")
     parser.add_argument("--json", type=Path, help="Results file (default $OUT/tune_extend_attention.json).")
+    parser.add_argument("--kinds", nargs="+", choices=("sliding", "full"), default=["sliding", "full"])
+    parser.add_argument("--block-m", type=int, nargs="+", default=list(GRID["block_m"]), help="The grid's M values.")
+    parser.add_argument("--value-splits", type=int, nargs="+", default=list(GRID["value_splits"]))
     args = parser.parse_args()
+    GRID.update(block_m=tuple(args.block_m), value_splits=tuple(args.value_splits))
     if not torch.cuda.is_available():
         raise SystemExit("tune_extend_attention needs a CUDA device")
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}")
-    layers = tuned_layers(args.models)
+    layers = tuned_layers(args.models, args.kinds)
     configs = {spec: grid_configs(spec) for _, spec in layers}
     if args.jobs > 0:
         precompile(_compile_worker, list(configs.items()), args.jobs, chunk=4)
