@@ -82,12 +82,13 @@ def test_pad_to_blocks_layout() -> None:
 @requires_triton
 @pytest.mark.parametrize(
     "tokens,top_k,num_experts,block_m,skew",
-    [(4, 2, 5, 2, False), (1, 8, 128, 16, False), (32, 8, 128, 16, False), (37, 8, 128, 16, True),
-     (300, 4, 16, 32, True), (256, 8, 128, 16, True)],
+    [(4, 2, 5, 2, False), (1, 8, 128, 16, False), (3, 8, 128, 16, True), (5, 8, 128, 4, False),
+     (32, 8, 128, 16, False), (37, 8, 128, 16, True), (300, 4, 16, 32, True), (256, 8, 128, 16, True)],
 )  # fmt: skip
 def test_align_kernel_equals_sort_and_pad(tokens: int, top_k: int, num_experts: int, block_m: int, skew: bool) -> None:
     """The one-launch layout (decode sizes) is `pad_to_blocks(sort_by_expert())`, value for value, including
-    slot counts past one 128-slot chunk and runs longer than a block (skew: most slots on a few experts)."""
+    slot counts past one 128-slot chunk, chunks of 16 to 128 slots and runs longer than a block (skew: most slots
+    on a few experts)."""
 
     generator = torch.Generator().manual_seed(tokens * top_k)
     if skew:
