@@ -20,10 +20,16 @@ import torch
 from srt.kernels.triton_support import jit, tl, triton
 
 ALIGN_MAX_SLOTS = 2048
-# slots compared with each other (and with every expert) at once: the slot count's power of two, 16 to 128, so
-# that batch 1's 8 slots reduce [16, experts] tiles, not [128, experts] ones (one program: 13-22 us at 8 to 256
-# slots on an H100 whatever its warps, so the tiles' reductions set its time, not memory)
+# slots compared with each other (and with every expert) at once: the slot count's power of two, 16 to 128. The
+# kernel is one program whose time is the chain of its tiles' reductions: on an H100 (bench/tune/tune_moe_align.py)
+# 8 slots took 9.0 us with 128-slot chunks and 2.5 with 16, 32 slots 9.0 and 3.4; 256 slots 17 us with 128 or 64,
+# 113 with 256 (spilled)
 MIN_CHUNK, MAX_CHUNK = 16, 128
+
+
+def chunk_for(num_slots: int) -> int:
+    """The kernel's slot chunk for `num_slots` slots (MIN_CHUNK to MAX_CHUNK)."""
+    return min(max(triton.next_power_of_2(num_slots), MIN_CHUNK), MAX_CHUNK)
 
 
 @jit
@@ -95,7 +101,7 @@ def align_slots(
         NUM_EXPERTS=num_experts,
         EXPERTS_POW2=triton.next_power_of_2(num_experts),
         BLOCK_M=block_m,
-        CHUNK=min(max(triton.next_power_of_2(num_slots), MIN_CHUNK), MAX_CHUNK),
+        CHUNK=chunk_for(num_slots),
         num_warps=4,
     )
     return slot_of_row, block_expert, num_rows

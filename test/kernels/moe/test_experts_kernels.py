@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from srt.kernels.moe import align
 from srt.kernels.moe import experts as experts_kernels
 from srt.kernels.moe.align import align_slots
 from srt.kernels.moe.routing import topk_routing_reference
@@ -100,6 +101,10 @@ def test_align_kernel_equals_sort_and_pad(tokens: int, top_k: int, num_experts: 
     got = align_slots(ids, num_experts, block_m)
     for name, ours, theirs in zip(expected._fields, got, expected, strict=True):
         assert ours.dtype == theirs.dtype and ours.tolist() == theirs.tolist(), name
+
+
+def test_align_chunk_follows_the_slot_count() -> None:
+    assert [align.chunk_for(n) for n in (1, 8, 17, 32, 40, 128, 129, 2048)] == [16, 16, 32, 32, 64, 128, 128, 128]
 
 
 @requires_triton
