@@ -3,7 +3,8 @@
 #
 #     bash bench/gpu_session.sh STAGE...      (stages: tests decode ab abbase graph_steps yoco tune_norm moe moe_fp8
 #                                              serving serving_ab serving_ref profile mtp mm grammar tp tp_tests
-#                                              tp_decode tp_prefill tp_serving fp8 fp8kv fp8_gemv)
+#                                              tp_decode tp_prefill tp_serving fp8 fp8kv fp8_gemv prompt_wave
+#                                              moe_align)
 #
 # Runs from the repo root on the GPU machine (torch, triton and transformers installed there). Wheels the
 # serving stage needs but the machine lacks (pyzmq, fastapi, uvicorn, openai, ...) are installed from .whl/
@@ -251,6 +252,19 @@ stage_moe() {
 stage_moe_fp8() {  # 26B-A4B's FP8 experts beside bf16 at decode sizes and a prefill; MOE_SWEEP="" sweeps blocks
     timeout ${MOE_TIMEOUT:-300} python3 bench/bench_moe.py --fp8 --tokens ${MOE_TOKENS:-1 32 7000} \
         ${MOE_SWEEP---no-sweep} --json "$RESULTS/moe-fp8.json" 2>&1 | sed -n '/^FP8 experts/,$p'
+}
+
+stage_prompt_wave() {  # fast-prefill's prompt steps in one process, kernel by kernel: WAVE_DECODING requests
+    # (default 26, about concurrency 32's) decoding at WAVE_DECODING_LEN-token contexts (default 8192) while 4 prompts
+    # of 8192 tokens arrive at once (bench/prompt_step_idle.py; E4B dummy bf16)
+    timeout 300 python3 bench/prompt_step_idle.py --model-path gemma-4-${AB_MODEL:-E4B}-it --load-format dummy \
+        --dtype bfloat16 --decoding ${WAVE_DECODING:-26} --decoding-len ${WAVE_DECODING_LEN:-8192} --prompts 4 \
+        --kernels 16 --trace /tmp/prompt-wave.json >"$RESULTS/prompt-steps-wave.txt" 2>&1
+    grep -v -i "warn\|USDT" "$RESULTS/prompt-steps-wave.txt" | tail -70
+}
+
+stage_moe_align() {  # the MoE slot-layout kernel per slot chunk at 26B-A4B's decode sizes
+    timeout 120 python3 bench/tune/tune_moe_align.py 2>&1 | grep -E "slots|Error|error"
 }
 
 stage_serving() {  # 30 prompts x 7000 input / 10 output tokens at full concurrency, E4B
