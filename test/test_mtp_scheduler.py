@@ -182,6 +182,23 @@ def test_stop_tokens_inside_an_accepted_run_end_the_request_there(tiny_checkpoin
     assert_idle_and_consistent(scheduler)
 
 
+def test_a_logit_bias_request_decodes_one_token_at_a_time_beside_speculating_ones(tiny_checkpoint) -> None:
+    """A biased request does not verify drafts (only the sampler applies its bias): with MTP its tokens, and its
+    neighbour's, are those without MTP."""
+    ids = prompts(2, seed=12, low=8, high=20)
+    biased = greedy("b", ids[0], max_new_tokens=8)
+    biased.sampling_params.logit_bias = {"7": 3.0, "11": -100.0}
+    requests = [biased, greedy("p", ids[1], max_new_tokens=8)]
+    plain = make_scheduler(tiny_checkpoint("tiny-gemma-4-E4B-it"))
+    expected = {rid: result.output_ids for rid, result in run_to_completion(plain, requests).items()}
+    assert 11 not in expected["b"]
+    scheduler = mtp_scheduler(tiny_checkpoint)
+    results = run_to_completion(scheduler, requests)
+    assert {rid: result.output_ids for rid, result in results.items()} == expected
+    assert results["b"].spec_verify_ct == 0 and results["p"].spec_verify_ct > 0
+    assert_idle_and_consistent(scheduler)
+
+
 def test_logprobs_with_mtp_are_the_targets(tiny_checkpoint) -> None:
     prompt = prompts(1, seed=9, low=12, high=13)[0]
     request = greedy("lp", prompt, max_new_tokens=10, return_logprob=True, top_logprobs_num=3)

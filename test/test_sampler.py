@@ -155,6 +155,27 @@ def test_penalties_change_greedy_choice() -> None:
         sample(logits, batch)
 
 
+def test_logit_bias_is_added_to_its_rows_logits_before_greedy_and_sampled_choices() -> None:
+    """Greedy rows: +100 makes a low token the argmax even where the caller's argmax is given, -100 takes the
+    argmax out; a sampled row whose other tokens all get -100 draws its one token; an unbiased neighbour keeps
+    the caller's argmax; logprobs stay those of the raw logits."""
+    logits = torch.tensor([[2.0, 0.5, 1.5, -1.0]] * 4)
+    params = [
+        SamplingParams(temperature=0, logit_bias={"3": 100}),
+        SamplingParams(temperature=0, logit_bias={0: -100.0}),
+        SamplingParams(temperature=1.0, logit_bias={0: -100, 1: -100, 2: -100}),
+        SamplingParams(temperature=0),
+    ]
+    batch = _batch(params, 4, default_generator=make_generator(0, CPU))
+    assert batch.use_logit_bias and not batch.needs_penalty_state
+    out = sample(logits, batch, greedy_ids=torch.zeros(4, dtype=torch.int64), top_logprobs_num=1)
+    assert out.next_token_ids.tolist() == [3, 2, 3, 0]
+    torch.testing.assert_close(out.logprobs, torch.log_softmax(logits, dim=-1)[torch.arange(4), out.next_token_ids])
+    biased = apply_penalties(logits, batch, None)
+    assert biased[0].tolist() == [2.0, 0.5, 1.5, 99.0] and torch.equal(biased[3], logits[3])
+    assert not _batch([SamplingParams(temperature=0)], 4).use_logit_bias
+
+
 def test_min_new_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     logits = torch.tensor([[0.0, 5.0, 4.0, 3.0, 1.0]] * 2)  # EOS (1) then stop id 2 are the likeliest
     params = [SamplingParams(temperature=0, min_new_tokens=2, stop_token_ids=[2]), SamplingParams(temperature=0)]

@@ -92,6 +92,16 @@ def test_valid_edges_pass(kwargs: dict) -> None:
         (dict(seed=2**64), "seed must be in [-2**63, 2**64 - 1]"),
         (dict(seed=-(2**63) - 1), "seed must be in [-2**63, 2**64 - 1]"),
         (dict(ignore_eos="yes"), "ignore_eos"),
+        (dict(logit_bias=[1, 2]), "logit_bias must be a map of token ids to numbers"),
+        (dict(logit_bias={"abc": 1}), "logit_bias must have token ids >= 0 < vocab_size=10 as keys, got 'abc'"),
+        (dict(logit_bias={"-1": 1}), "logit_bias must have token ids"),
+        (dict(logit_bias={10: 1}), "logit_bias must have token ids"),
+        (dict(logit_bias={"9" * 30: 1}), "logit_bias must have token ids"),
+        (dict(logit_bias={True: 1}), "logit_bias must have token ids"),
+        (dict(logit_bias={3: 1, "3": 2}), "logit_bias has token 3 twice"),
+        (dict(logit_bias={3: math.nan}), "logit_bias must be a finite number"),
+        (dict(logit_bias={3: "1"}), "logit_bias must be a number"),
+        (dict(logit_bias={3: 100.5}), "logit_bias must have values in [-100, 100], got 100.5 for token 3"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs: dict, message: str) -> None:
@@ -101,6 +111,13 @@ def test_invalid_values_name_the_field(kwargs: dict, message: str) -> None:
 
 def test_stop_token_range_checked_only_with_vocab() -> None:
     SamplingParams(stop_token_ids=[10**6]).validate()
+
+
+def test_logit_bias_takes_int_and_decimal_string_keys() -> None:
+    params = SamplingParams(logit_bias={"7": 5, 2: -100.0, "0": 0.5})
+    params.validate(vocab_size=10)
+    assert params.token_biases == {7: 5.0, 2: -100.0, 0: 0.5}
+    assert SamplingParams().token_biases == {}
 
 
 def test_from_dict_builds_and_rejects_unknown_keys() -> None:

@@ -252,7 +252,35 @@ BAD_REQUESTS = [
     ("/generate", {"input_ids": [1, -3]}, "input_ids"),
     ("/generate", {"text": "hi", "sampling_params": 5}, "sampling_params"),
     ("/generate", {"text": "hi", "bogus": 1}, "bogus"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": "x"}}, "logit_bias"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"99999": 1}},
+        "logit_bias",
+    ),
+    ("/generate", {"text": "hi", "sampling_params": {"logit_bias": {"-4": 1}}}, "logit_bias"),
 ]
+
+
+def test_logit_bias_forces_and_bans_tokens(server, client, name, tokenizer):
+    """OpenAI's logit_bias through the real client and /generate: +100 makes a token every greedy choice, -100
+    takes the unbiased first choice out."""
+    token = tokenizer.encode(" weather", add_special_tokens=False)[-1]
+    out = client.completions.create(model=name, prompt="hi", logit_bias={str(token): 100}, **GREEDY, extra_body=NO_EOS)
+    assert out.choices[0].text == tokenizer.decode([token] * NEW_TOKENS)
+
+    def first_ids(**sampling) -> list[int]:
+        body = {
+            "text": "hi",
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True, **sampling},
+        }
+        return httpx.post(f"{server.url}/generate", json=body, timeout=60).json()["output_ids"]
+
+    plain = first_ids()
+    assert first_ids(logit_bias={str(plain[0]): -100})[0] != plain[0]
+    assert first_ids(logit_bias={str(token): 100}) == [token] * 3
 
 
 def test_bad_requests_get_400_and_the_server_keeps_serving(server, client, name):

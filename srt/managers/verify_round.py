@@ -12,9 +12,10 @@ followed by its k drafts: k + 1 rows, every one a logits row.
 
 A request speculates when its sampling does not depend on its own history within the round: penalties and
 min_new_tokens would score row i after drafts the host has not accepted yet, so such requests decode one token
-at a time in the same steps. A constrained request speculates: its drafts are read to the host, and each of its
-verify rows is masked by its grammar after the drafts before it (`grammar.mask_verify_rows`). Apart from those
-drafts nothing here reads the device until `VerifyRound.apply`.
+at a time in the same steps (as do requests with a logit_bias, which only the sampler applies). A constrained
+request speculates: its drafts are read to the host, and each of its verify rows is masked by its grammar after
+the drafts before it (`grammar.mask_verify_rows`). Apart from those drafts nothing here reads the device until
+`VerifyRound.apply`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def speculates(req: Req) -> bool:
         and params.frequency_penalty == 0.0
         and params.presence_penalty == 0.0
         and params.min_new_tokens == 0
+        and not params.logit_bias
     )
 
 

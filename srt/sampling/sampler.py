@@ -4,7 +4,8 @@ One step, for each row of `logits` [B, V] (float32, already softcapped; never mo
 
     raw logits ──► logprobs / top_logprobs: log_softmax of the RAW logits (what OpenAI and SGLang report)
         │
-        ▼  repetition, frequency, presence penalties; -inf on EOS / stop_token_ids while under min_new_tokens
+        ▼  + logit_bias; repetition, frequency, presence penalties; -inf on EOS / stop_token_ids while under
+        │  min_new_tokens
     penalised ──► greedy rows: argmax (ties -> lowest id)
         │
         ▼  / temperature, then top-k, top-p (on the renormalised top-k set), min-p
@@ -71,6 +72,10 @@ class SamplingBatch:
     # (row, token) pairs set to -inf while the row has fewer than min_new_tokens outputs: EOS and stop ids
     ban_rows: torch.Tensor  # [K] int64
     ban_ids: torch.Tensor  # [K] int64
+    # (row, token, bias) of every request's logit_bias, added to the logits before anything else
+    bias_rows: torch.Tensor  # [L] int64
+    bias_ids: torch.Tensor  # [L] int64
+    bias_values: torch.Tensor  # [L] float32
     generators: tuple[torch.Generator | None, ...]  # per row; None (and greedy) rows use default_generator
     default_generator: torch.Generator | None  # None: torch's global generator of the device
     any_greedy: bool
@@ -82,6 +87,7 @@ class SamplingBatch:
     use_frequency: bool
     use_presence: bool
     use_min_new_tokens: bool
+    use_logit_bias: bool
 
     @property
     def batch_size(self) -> int:
@@ -120,10 +126,11 @@ class SamplingBatch:
         ban = sorted(
             {(row, tok) for row, p in enumerate(params) if p.min_new_tokens > 0 for tok in _ban_ids(p, eos_token_ids)}
         )
+        biases = [(row, tok, bias) for row, p in enumerate(params) for tok, bias in p.token_biases.items()]
 
         # two pinned copies (floats, ints): a torch.tensor(..., device="cuda") per field would wait for the
         # device each time, and a sampler is built whenever a batch's requests change
-        temperatures, top_ps_t, min_ps_t, repetition, frequency, presence = host_to_device(
+        temperatures, top_ps_t, min_ps_t, repetition, frequency, presence, bias_values = host_to_device(
             [
                 temps,
                 top_ps,
@@ -131,12 +138,21 @@ class SamplingBatch:
                 [float(p.repetition_penalty) for p in params],
                 [float(p.frequency_penalty) for p in params],
                 [float(p.presence_penalty) for p in params],
+                [bias for _, _, bias in biases],
             ],
             device,
             dtype=torch.float32,
         )
-        top_ks_t, min_new_tokens, is_greedy, ban_rows, ban_ids = host_to_device(
-            [top_ks, [p.min_new_tokens for p in params], greedy, [row for row, _ in ban], [tok for _, tok in ban]],
+        top_ks_t, min_new_tokens, is_greedy, ban_rows, ban_ids, bias_rows, bias_ids = host_to_device(
+            [
+                top_ks,
+                [p.min_new_tokens for p in params],
+                greedy,
+                [row for row, _ in ban],
+                [tok for _, tok in ban],
+                [row for row, _, _ in biases],
+                [tok for _, tok, _ in biases],
+            ],
             device,
         )
         return cls(
@@ -153,6 +169,9 @@ class SamplingBatch:
             is_greedy=is_greedy.bool(),
             ban_rows=ban_rows,
             ban_ids=ban_ids,
+            bias_rows=bias_rows,
+            bias_ids=bias_ids,
+            bias_values=bias_values,
             generators=gens,
             default_generator=default_generator,
             any_greedy=any(greedy),
@@ -164,6 +183,7 @@ class SamplingBatch:
             use_frequency=any(p.frequency_penalty != 0.0 for p in params),
             use_presence=any(p.presence_penalty != 0.0 for p in params),
             use_min_new_tokens=bool(ban),
+            use_logit_bias=bool(biases),
         )
 
 
@@ -245,7 +265,7 @@ def sample(
     raw_logprobs = torch.log_softmax(logits, dim=-1) if return_logprob or top_logprobs_num > 0 else None
 
     penalised = logits
-    if batch.needs_penalty_state:
+    if batch.needs_penalty_state or batch.use_logit_bias:
         penalised, greedy_ids = apply_penalties(logits, batch, penalty_state), None
     if batch.any_greedy and greedy_ids is None:
         greedy_ids = penalised.argmax(dim=-1)
@@ -267,11 +287,14 @@ def sample(
     return SampleOutput(next_token_ids=next_ids, logprobs=logprobs, top_logprobs=top)
 
 
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch, state: PenaltyState) -> torch.Tensor:
-    """Penalised copy of `logits` [B, V]: repetition (seen tokens: logit > 0 divided, else multiplied), then
-    `- frequency * count`, `- presence * (count > 0)`, then -inf on EOS / stop ids of rows under min_new_tokens.
-    Neutral rows come out unchanged. Public so speculative verification can score drafts the same way."""
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch, state: PenaltyState | None) -> torch.Tensor:
+    """Penalised copy of `logits` [B, V]: + logit_bias (OpenAI's: on the model's logits), then repetition (seen
+    tokens: logit > 0 divided, else multiplied), `- frequency * count`, `- presence * (count > 0)`, then -inf on
+    EOS / stop ids of rows under min_new_tokens. Neutral rows come out unchanged. `state` is needed when
+    `batch.needs_penalty_state`."""
     out = logits.clone()
+    if batch.use_logit_bias:
+        out.index_put_((batch.bias_rows, batch.bias_ids), batch.bias_values, accumulate=True)
     if batch.use_repetition:
         # HF / SGLang: a seen token's logit moves toward "less likely" whatever its sign.
         pen = torch.where(state.seen_mask, batch.repetition_penalties, 1.0)

@@ -15,6 +15,7 @@ PENALTY_RANGE = (-2.0, 2.0)  # OpenAI's documented range of frequency_penalty an
 # in the sampler's later passes (1e-300 made every probability NaN and sampled token 0).
 REPETITION_PENALTY_RANGE = (0.01, 2.0)
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # OpenAI's
 
 
 @dataclass
@@ -43,6 +44,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     n: int = 1
+    # OpenAI's: token id (an int, or its decimal string as JSON keys are) -> a number added to that token's logit
+    logit_bias: dict[int | str, float] | None = None
     # structured output (SGLang's names), at most one: the output must match it (sampling/grammar.py)
     json_schema: str | None = None
     regex: str | None = None
@@ -77,6 +80,11 @@ class SamplingParams:
         """Whether sampling depends on the tokens generated so far (penalties, min_new_tokens)."""
         penalties = (self.repetition_penalty, self.frequency_penalty, self.presence_penalty) != (1.0, 0.0, 0.0)
         return penalties or self.min_new_tokens > 0
+
+    @property
+    def token_biases(self) -> dict[int, float]:
+        """`logit_bias` with int keys (after `validate()`); empty without one."""
+        return {int(token): float(bias) for token, bias in (self.logit_bias or {}).items()}
 
     @property
     def is_greedy(self) -> bool:
@@ -131,6 +139,8 @@ class SamplingParams:
             if not isinstance(getattr(self, kind), str):
                 raise ValueError(f"{kind} must be a string, got {type(getattr(self, kind)).__name__}")
 
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias, vocab_size)
         if not isinstance(self.stop, list | tuple) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if self.stop_token_ids is not None:
@@ -142,6 +152,33 @@ class SamplingParams:
                     raise ValueError(f"stop_token_ids must be >= 0, got {tok}")
                 if vocab_size is not None and tok >= vocab_size:
                     raise ValueError(f"stop_token_ids must be < vocab_size={vocab_size}, got {tok}")
+
+
+def _check_logit_bias(logit_bias: object, vocab_size: int | None) -> None:
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a map of token ids to numbers, got {logit_bias!r}")
+    seen = set()
+    lo, hi = LOGIT_BIAS_RANGE
+    for key, bias in logit_bias.items():
+        token = _token_id(key)
+        if token is None or (vocab_size is not None and token >= vocab_size):
+            vocab = f" < vocab_size={vocab_size}" if vocab_size is not None else ""
+            raise ValueError(f"logit_bias must have token ids >= 0{vocab} as keys, got {key!r}")
+        if token in seen:
+            raise ValueError(f"logit_bias has token {token} twice")
+        seen.add(token)
+        _check_real("logit_bias", bias)
+        if not lo <= bias <= hi:
+            raise ValueError(f"logit_bias must have values in [{lo:g}, {hi:g}], got {bias} for token {token}")
+
+
+def _token_id(key: object) -> int | None:
+    """A logit_bias key as a token id: an int, or a string of decimal digits; None otherwise."""
+    if isinstance(key, numbers.Integral) and not isinstance(key, bool):
+        return int(key) if key >= 0 else None
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 18:  # past any vocabulary
+        return int(key)
+    return None
 
 
 def _check_int(name: str, value: object) -> None:

@@ -36,6 +36,7 @@ class SamplingExtensions(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> added to its logit, in [-100, 100]
     # SGLang extensions
     top_k: int = -1
     min_p: float = 0.0
@@ -65,6 +66,7 @@ class SamplingExtensions(BaseModel):
             "stop_token_ids": self.stop_token_ids,
             "skip_special_tokens": self.skip_special_tokens,
             "n": self.n,
+            "logit_bias": self.logit_bias,
         }
 
     @property
