@@ -220,6 +220,11 @@ class ServerArgs:
         "Seconds a request may wait in the queue before it is admitted to the running batch; one that waits "
         "longer is dropped and answered HTTP 429 (a stream: an error event). Default: no limit.",
     )
+    api_key: str | None = _arg(
+        None,
+        "Require this key (SGLang's and vLLM's flag): every request but /health, /health_generate and /metrics "
+        "must send `Authorization: Bearer KEY` (the openai client's api_key), else HTTP 401. Default: no key.",
+    )
     exit_on_child_death: bool = _arg(
         True,
         "Stop the server with exit code 1 when the scheduler or detokenizer process dies (open requests get "
@@ -260,6 +265,8 @@ class ServerArgs:
             raise ValueError(f"max_request_body_mb must be > 0; got {self.max_request_body_mb}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0; got {self.max_queued_requests}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0; got {self.request_timeout}")
         if self.log_interval < 0:

@@ -10,7 +10,8 @@ of requests that come together the first reaches the scheduler first (with the p
 8k ids interleaved their stages and all reached it ~20 ms later on a 2-core CPU). Generation requests beyond
 --max-running-requests + --max-queued-requests get 429 with Retry-After (`managers/admission.py`). When the
 scheduler or detokenizer dies, every open request gets an error at once, /health answers 503, and with
---exit-on-child-death (the default) the server stops and exits with status 1.
+--exit-on-child-death (the default) the server stops and exits with status 1. With --api-key every route but
+/health, /health_generate and /metrics answers 401 to a request without the key (`api_key.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from srt.entrypoints.api_key import ApiKeyCheck
 from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from srt.entrypoints.openai.response_parts import SSE_DONE, RequestError, now, sse
 from srt.entrypoints.openai.serving_chat import ChatRun
@@ -83,6 +85,8 @@ def create_app(tm: TokenizerManager, watch_children: Callable[[], Callable[[], N
         tokenize_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="srt", lifespan=lifespan)
+    if tm.server_args.api_key is not None:
+        app.add_middleware(ApiKeyCheck, key=tm.server_args.api_key)
 
     @app.exception_handler(ValueError)
     async def bad_request(request: Request, error: ValueError) -> JSONResponse:

@@ -341,7 +341,7 @@ class TokenizerManager:
         info = {
             "version": __version__,
             "model_name": self.model_name,
-            "server_args": dataclasses.asdict(self.server_args),
+            "server_args": {**dataclasses.asdict(self.server_args), "api_key": None},  # never the key itself
             "model": dataclasses.asdict(self.info),
             "num_running_reqs": stats.num_running,
             "num_waiting_reqs": stats.num_waiting,
