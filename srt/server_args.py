@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -22,6 +23,25 @@ CHAT_PARSERS = ("gemma4", "none")  # --tool-call-parser, --reasoning-parser
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
+def chat_template_text(value: str) -> str:
+    """`--chat-template`: the file's text where `value` names a file, else `value` itself if it reads as a Jinja
+    template; ValueError naming chat_template otherwise, or where the template does not parse."""
+    import jinja2
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        text = path.read_text()
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"chat_template must be a Jinja file's path or a Jinja template; no such file: {value}")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(f"chat_template does not parse: {error} (line {error.lineno})") from None
+    return text
+
+
 def _arg(default: Any, help: str, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = ()) -> Any:
     return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
 
@@ -35,6 +55,11 @@ class ServerArgs:
         aliases=("--model",),
     )
     tokenizer_path: str | None = _arg(None, "Tokenizer directory (default: the model directory).")
+    chat_template: str | None = _arg(
+        None,
+        "A chat template instead of the checkpoint's (SGLang's and vLLM's flag): a Jinja file's path, or the "
+        "template itself. Chat requests and /tokenize with messages render with it.",
+    )
     load_format: str = _arg(
         "auto", "auto/safetensors: read the checkpoint; dummy: real shapes, seeded random weights.", LOAD_FORMATS
     )
@@ -265,6 +290,8 @@ class ServerArgs:
             raise ValueError(f"max_request_body_mb must be > 0; got {self.max_request_body_mb}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0; got {self.max_queued_requests}")
+        if self.chat_template is not None:
+            chat_template_text(self.chat_template)
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be empty")
         if self.request_timeout is not None and not self.request_timeout > 0:

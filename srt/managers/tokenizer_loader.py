@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from srt.server_args import ServerArgs
+from srt.server_args import ServerArgs, chat_template_text
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -25,7 +25,15 @@ logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(server_args: ServerArgs):
-    """`--tokenizer-path`, else the model directory; a dummy preset gets a stand-in (`_standin_vocab_size`)."""
+    """`--tokenizer-path`, else the model directory; a dummy preset gets a stand-in (`_standin_vocab_size`). With
+    `--chat-template`, that template instead of the tokenizer's own."""
+    tokenizer = _load_tokenizer(server_args)
+    if server_args.chat_template is not None:
+        tokenizer.chat_template = chat_template_text(server_args.chat_template)
+    return tokenizer
+
+
+def _load_tokenizer(server_args: ServerArgs):
     from transformers import AutoTokenizer
 
     from srt.configs import presets

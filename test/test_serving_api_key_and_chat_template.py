@@ -1,0 +1,74 @@
+"""`--api-key` and `--chat-template` on one real server. The key: the openai client with it is served, without
+it gets 401 (OpenAI's error shape, `openai.AuthenticationError`); health checks and metrics stay open; the key
+never shows in /server_info. The template: chat prompts and /tokenize render with it instead of the
+checkpoint's; a file that is missing or does not parse stops the server's start."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from serving_fixtures import PRESET, start_server, stop_and_check_no_child_left
+from transformers import AutoTokenizer
+
+from srt.server_args import ServerArgs
+
+KEY = "sk-test-1234"
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }}\n{% endfor %}<model>"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("api-key")
+    (folder / "template.jinja").write_text(TEMPLATE)
+    args = ("--api-key", KEY, "--chat-template", str(folder / "template.jinja"))
+    server = start_server(tiny_checkpoint(PRESET), folder / "server.log", *args)
+    yield server
+    stop_and_check_no_child_left(server)
+
+
+def client(server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_the_key_is_required_on_every_route_but_health_and_metrics(server):
+    name = str(client(server, KEY).models.list().data[0].id)
+    out = client(server, KEY).completions.create(model=name, prompt="hi", max_tokens=2, temperature=0)
+    assert out.usage.completion_tokens <= 2
+    with pytest.raises(openai.AuthenticationError) as refused:
+        client(server, "sk-wrong").chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    assert refused.value.status_code == 401 and refused.value.code == "invalid_api_key"
+    for method, path in (("get", "/v1/models"), ("post", "/generate"), ("get", "/server_info"), ("post", "/tokenize")):
+        response = httpx.request(method, f"{server.url}{path}", json={"text": "hi"}, timeout=30)
+        assert response.status_code == 401, path
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    for path in ("/health", "/metrics"):
+        assert httpx.get(f"{server.url}{path}", timeout=30).status_code == 200, path
+    info = httpx.get(f"{server.url}/server_info", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert info["server_args"]["api_key"] is None
+
+
+def test_chat_prompts_render_with_the_given_template(server, tiny_checkpoint):
+    messages = [{"role": "user", "content": "hi there"}]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    got = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, headers=headers, timeout=30).json()
+    expected = AutoTokenizer.from_pretrained(tiny_checkpoint(PRESET)).encode(
+        "<user> hi there\n<model>", add_special_tokens=False
+    )
+    assert got["tokens"] == expected
+    name = str(client(server, KEY).models.list().data[0].id)
+    reply = client(server, KEY).chat.completions.create(model=name, messages=messages, max_tokens=2, temperature=0)
+    assert reply.usage.prompt_tokens == len(expected)
+
+
+def test_an_empty_key_and_a_bad_template_are_refused_at_start(tmp_path):
+    with pytest.raises(ValueError, match="api_key must not be empty"):
+        ServerArgs(model_path="m", api_key=" ")
+    with pytest.raises(ValueError, match="chat_template must be a Jinja file's path or a Jinja template"):
+        ServerArgs(model_path="m", chat_template=str(tmp_path / "missing.jinja"))
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m }}")
+    with pytest.raises(ValueError, match="chat_template does not parse"):
+        ServerArgs(model_path="m", chat_template=str(tmp_path / "broken.jinja"))
+    assert ServerArgs(model_path="m", chat_template=TEMPLATE).chat_template == TEMPLATE
