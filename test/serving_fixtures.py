@@ -88,11 +88,12 @@ def stop_and_check_no_child_left(server: Server) -> None:
     assert not [child for child in children if alive(child)], "children outlived the server"
 
 
-def wait_idle(url: str, timeout: float = 60.0) -> dict:
-    """/server_info once nothing runs or waits and every pool's slots are free or cached (none leaked)."""
+def wait_idle(url: str, timeout: float = 60.0, headers: dict[str, str] | None = None) -> dict:
+    """/server_info once nothing runs or waits and every pool's slots are free or cached (none leaked);
+    `headers`: e.g. a server's --api-key."""
     deadline = time.monotonic() + timeout
     while True:
-        info = httpx.get(f"{url}/server_info", timeout=30).json()
+        info = httpx.get(f"{url}/server_info", headers=headers, timeout=30).json()
         idle = info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
         pools = info["pools"].values()
         if idle and all(p["in_use"] == 0 and p["free"] + p["cached"] == p["total"] for p in pools):

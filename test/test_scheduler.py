@@ -215,3 +215,24 @@ def test_swa_pool_stats_add_up(tiny_checkpoint, overrides) -> None:
     assert stats.total == scheduler.allocator.swa_size and stats.free == scheduler.allocator.swa.available()
     assert stats.free + stats.cached + stats.in_use == stats.total
     assert stats.in_use + stats.cached > 0  # the running request's window is held by it or by the cache
+
+
+def test_flush_cache_drops_every_cached_prefix_only_while_idle(tiny_checkpoint) -> None:
+    """/flush_cache's work: the finished requests' prompts leave the cache (full and sliding-window KV back in
+    the pools, the pools consistent) and the same prompt then hits nothing; while a request waits nothing is
+    dropped."""
+    scheduler = make_scheduler(tiny_checkpoint("tiny-gemma-4-E4B-it"))
+    ids = prompts(2, seed=21, low=30, high=40)
+    run_to_completion(scheduler, [greedy(str(i), p) for i, p in enumerate(ids)])
+    cached = scheduler.cache.stats().cached
+    assert cached > 0
+    scheduler.add_request(greedy("waiting", ids[0]))
+    assert scheduler.flush_cache() is None and scheduler.cache.stats().cached == cached
+    while scheduler.has_work():
+        scheduler.step()
+    cached = scheduler.cache.stats().cached
+    assert scheduler.flush_cache() == cached > 0
+    stats, swa = scheduler.cache.stats(), scheduler.cache.swa_stats()
+    assert stats.cached == 0 and stats.free == stats.total and swa.free == swa.total
+    assert scheduler.cache.match_prefix(ids[0]).prefix_len == 0
+    assert_idle_and_consistent(scheduler)

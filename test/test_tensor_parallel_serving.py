@@ -87,6 +87,8 @@ def test_two_nodes_on_loopback(model, expected) -> None:
             assert sorted(e._processes.children) == ["detokenizer", "scheduler"]
             assert _output_ids(e) == expected
             assert _output_ids(e) == expected  # again, from the radix cache's prefixes
+            assert e.flush_cache() > 0  # every rank drops its cache at the same point: the same steps again
+            assert _output_ids(e) == expected
         assert node1.wait(30) == 0  # node 1's rank ends with node 0's
     finally:
         if node1.poll() is None:

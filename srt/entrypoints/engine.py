@@ -39,7 +39,7 @@ def make_server_args(model_path: str | None, **kwargs: Any) -> ServerArgs:
 
 
 class Engine:
-    """Serve a model in-process: `generate`, `async_generate`, `get_server_info`, `shutdown`."""
+    """Serve a model in-process: `generate`, `async_generate`, `get_server_info`, `flush_cache`, `shutdown`."""
 
     def __init__(self, model_path: str | None = None, **server_args: Any) -> None:
         self.server_args = make_server_args(model_path, **server_args)
@@ -139,6 +139,11 @@ class Engine:
     def get_server_info(self) -> dict:
         """Server args, model limits and, per KV pool, total / free / cached / in_use tokens."""
         return self._call(self.tokenizer_manager.get_server_info())
+
+    def flush_cache(self) -> int | None:
+        """Drop every cached prompt prefix (SGLang's Engine.flush_cache): the tokens dropped, or None while
+        requests run or wait (nothing is dropped then)."""
+        return self._call(self.tokenizer_manager.flush_cache())
 
     def shutdown(self) -> None:
         """Stop the processes and the event loop; safe to call twice."""

@@ -174,6 +174,19 @@ class StatsReq:
 
 
 @dataclass
+class FlushCacheReq:
+    """Ask the scheduler to drop every cached prefix (SGLang's /flush_cache); answered with a FlushCacheResult."""
+
+    req_id: int
+
+
+@dataclass
+class FlushCacheResult:
+    req_id: int
+    flushed_tokens: int | None  # None: requests were running or waiting, nothing was dropped
+
+
+@dataclass
 class PoolStats:
     """Token counts of one KV pool. free + cached + in_use == total; evictable <= cached."""
 

@@ -136,6 +136,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self._in_flight)
 
+    def flush_cache(self) -> int | None:
+        """Drop every cached prefix, its full and sliding-window KV back to the pools: the tokens dropped, or
+        None (nothing done) while requests run or wait, whose prefixes the cache holds locked."""
+        if self.has_work():
+            return None
+        return self.cache.evict(self.cache.stats().cached)
+
     # ---- one step ----------------------------------------------------------------------------------------
     def step(self) -> list[ReqOutput]:
         """Run one forward (prompt chunks with the decoding requests' tokens if anything can be admitted, else

@@ -27,6 +27,8 @@ from srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
     DetokenizeInit,
+    FlushCacheReq,
+    FlushCacheResult,
     GenerateError,
     PoolStats,
     SchedulerInfo,
@@ -248,6 +250,11 @@ class SchedulerLoop:
                 self.send_socket.send_pyobj(BatchTokenIDOut([output]))
         elif isinstance(message, StatsReq):
             self.send_socket.send_pyobj(self.stats(message.req_id))
+        elif isinstance(message, FlushCacheReq):
+            flushed = self.scheduler.flush_cache()
+            if flushed is not None:
+                logger.info("cache flushed: %d tokens", flushed)
+            self.send_socket.send_pyobj(FlushCacheResult(message.req_id, flushed))
         else:
             logger.error("scheduler got an unknown message %r", type(message).__name__)
 
@@ -306,6 +313,8 @@ class FollowerLoop:
                         scheduler.add_request(message)
                 elif isinstance(message, AbortReq):
                     scheduler.abort(message.rid)
+                elif isinstance(message, FlushCacheReq):  # rank 0 flushes at this point too, or refuses as here
+                    scheduler.flush_cache()
             if scheduler.has_work():
                 busy = True
                 scheduler.step()

@@ -27,6 +27,8 @@ from srt.managers.generate_output import ResultBuilder, TokenTexts
 from srt.managers.io_struct import (
     AbortReq,
     BatchStrOut,
+    FlushCacheReq,
+    FlushCacheResult,
     GenerateError,
     SchedulerInfo,
     SchedulerStats,
@@ -114,8 +116,9 @@ class TokenizerManager:
         self.check_children = check_children
         self.dead: str | None = None  # why the server cannot serve any more (a child died)
         self.states: dict[str, _ReqState] = {}
-        self._stats_waiters: dict[int, asyncio.Future] = {}
-        self._stats_ids = itertools.count()
+        # answers of the schedulers to StatsReq / FlushCacheReq, by the request's id
+        self._waiters: dict[int, asyncio.Future] = {}
+        self._request_ids = itertools.count()
         # one input per data-parallel replica (its rank 0 scheduler); requests go to the least loaded
         context = zmq.Context.instance()
         self._sends = [socket(context, zmq.PUSH, address, bind=False) for address in port_args.replica_inputs]
@@ -320,18 +323,29 @@ class TokenizerManager:
 
     async def replica_stats(self, timeout: float = 10.0) -> list[SchedulerStats]:
         """Each data-parallel replica's snapshot, in replica order."""
+        return await self._ask_replicas(StatsReq, timeout)
+
+    async def flush_cache(self, timeout: float = 10.0) -> int | None:
+        """Drop every replica's cached prefixes: the tokens dropped, or None if some replica had requests running
+        or waiting (the others still flushed)."""
+        results = await self._ask_replicas(FlushCacheReq, timeout)
+        flushed = [result.flushed_tokens for result in results]
+        return None if None in flushed else sum(flushed)
+
+    async def _ask_replicas(self, make: Callable[[int], object], timeout: float) -> list:
+        """Send `make(request id)` to every replica's scheduler; their answers, in replica order."""
         if self.dead:
             raise RuntimeError(self.dead)
         loop = asyncio.get_running_loop()
-        req_ids = [next(self._stats_ids) for _ in self._sends]
-        futures = [self._stats_waiters.setdefault(req_id, loop.create_future()) for req_id in req_ids]
+        req_ids = [next(self._request_ids) for _ in self._sends]
+        futures = [self._waiters.setdefault(req_id, loop.create_future()) for req_id in req_ids]
         for send, req_id in zip(self._sends, req_ids, strict=True):
-            send.send_pyobj(StatsReq(req_id))
+            send.send_pyobj(make(req_id))
         try:
             return list(await asyncio.wait_for(asyncio.gather(*futures), timeout))
         finally:
             for req_id in req_ids:
-                self._stats_waiters.pop(req_id, None)
+                self._waiters.pop(req_id, None)
 
     async def get_server_info(self) -> dict:
         """Server args, the model's limits, and the scheduler's queues and KV pools right now (with
@@ -372,8 +386,8 @@ class TokenizerManager:
                 self.router.release(message.rid)
                 if state is not None:
                     state.queue.put_nowait(self._error_of(message))
-            elif isinstance(message, SchedulerStats):
-                future = self._stats_waiters.get(message.req_id)
+            elif isinstance(message, SchedulerStats | FlushCacheResult):
+                future = self._waiters.get(message.req_id)
                 if future is not None and not future.done():
                     future.set_result(message)
             else:
@@ -401,6 +415,6 @@ class TokenizerManager:
         self.metrics.ended("abort", len(self.states))
         self.states.clear()
         self.router.clear()
-        for waiter in self._stats_waiters.values():
+        for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(RuntimeError(problem))

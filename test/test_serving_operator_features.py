@@ -1,14 +1,17 @@
-"""`--api-key` and `--chat-template` on one real server. The key: the openai client with it is served, without
-it gets 401 (OpenAI's error shape, `openai.AuthenticationError`); health checks and metrics stay open; the key
-never shows in /server_info. The template: chat prompts and /tokenize render with it instead of the
-checkpoint's; a file that is missing or does not parse stops the server's start."""
+"""What an operator sets or calls, on one real server: `--api-key`, `--chat-template`, /flush_cache.
+
+The key: the openai client with it is served, without it gets 401 (OpenAI's error shape,
+`openai.AuthenticationError`); health checks and metrics stay open; the key never shows in /server_info. The
+template: chat prompts and /tokenize render with it instead of the checkpoint's; a file that is missing or does
+not parse stops the server's start. /flush_cache (and vLLM's /reset_prefix_cache) empties the prefix cache of an
+idle server."""
 
 from __future__ import annotations
 
 import httpx
 import openai
 import pytest
-from serving_fixtures import PRESET, start_server, stop_and_check_no_child_left
+from serving_fixtures import PRESET, start_server, stop_and_check_no_child_left, wait_idle
 from transformers import AutoTokenizer
 
 from srt.server_args import ServerArgs
@@ -72,3 +75,17 @@ def test_an_empty_key_and_a_bad_template_are_refused_at_start(tmp_path):
     with pytest.raises(ValueError, match="chat_template does not parse"):
         ServerArgs(model_path="m", chat_template=str(tmp_path / "broken.jinja"))
     assert ServerArgs(model_path="m", chat_template=TEMPLATE).chat_template == TEMPLATE
+
+
+def test_flush_cache_empties_the_prefix_cache_of_an_idle_server(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"text": "a prompt long enough to leave a cached prefix behind", "sampling_params": {"max_new_tokens": 2}}
+    assert httpx.post(f"{server.url}/generate", json=body, headers=headers, timeout=60).status_code == 200
+    cached = wait_idle(server.url, headers=headers)["pools"]["full"]["cached"]
+    assert cached > 0
+    flushed = httpx.post(f"{server.url}/flush_cache", headers=headers, timeout=30)
+    assert flushed.status_code == 200 and flushed.json() == {"flushed_tokens": cached}
+    pools = wait_idle(server.url, headers=headers)["pools"]
+    assert all(pool["cached"] == 0 and pool["free"] == pool["total"] for pool in pools.values())
+    again = httpx.post(f"{server.url}/reset_prefix_cache", headers=headers, timeout=30)
+    assert again.status_code == 200 and again.json() == {"flushed_tokens": 0}
