@@ -1,12 +1,17 @@
-"""What an operator sets or calls, on one real server: `--api-key`, `--chat-template`, /flush_cache.
+"""What an operator sets or calls, on one real server: `--api-key`, `--chat-template`, /flush_cache,
+/abort_request.
 
 The key: the openai client with it is served, without it gets 401 (OpenAI's error shape,
 `openai.AuthenticationError`); health checks and metrics stay open; the key never shows in /server_info. The
 template: chat prompts and /tokenize render with it instead of the checkpoint's; a file that is missing or does
 not parse stops the server's start. /flush_cache (and vLLM's /reset_prefix_cache) empties the prefix cache of an
-idle server."""
+idle server. /abort_request stops a request that another connection is waiting on: that response ends with
+finish reason "abort"."""
 
 from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -89,3 +94,24 @@ def test_flush_cache_empties_the_prefix_cache_of_an_idle_server(server):
     assert all(pool["cached"] == 0 and pool["free"] == pool["total"] for pool in pools.values())
     again = httpx.post(f"{server.url}/reset_prefix_cache", headers=headers, timeout=30)
     assert again.status_code == 200 and again.json() == {"flushed_tokens": 0}
+
+
+def test_abort_request_ends_another_connections_request(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"text": "go on", "rid": "long", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(httpx.post, f"{server.url}/generate", json=body, headers=headers, timeout=120)
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{server.url}/server_info", headers=headers, timeout=30).json()["num_running_reqs"] == 0:
+            assert time.monotonic() < deadline and not waiting.done()
+            time.sleep(0.05)
+        stopped = httpx.post(f"{server.url}/abort_request", json={"rid": "long"}, headers=headers, timeout=30)
+        assert stopped.status_code == 200 and stopped.json() == {"aborted": ["long"]}
+        result = waiting.result().json()
+    assert result["meta_info"]["finish_reason"]["type"] == "abort"
+    assert result["meta_info"]["completion_tokens"] < 400  # what it had when stopped (0 if none was read yet)
+    none = httpx.post(f"{server.url}/abort_request", json={"abort_all": True}, headers=headers, timeout=30)
+    assert none.json() == {"aborted": []}
+    bad = httpx.post(f"{server.url}/abort_request", json={"rid": 5}, headers=headers, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "rid"
+    wait_idle(server.url, headers=headers)

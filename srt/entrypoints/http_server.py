@@ -1,10 +1,10 @@
 """The HTTP server: FastAPI routes over one TokenizerManager, served by uvicorn.
 
 Routes: POST /generate (SGLang's native API), POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-/health, /health_generate, /metrics (Prometheus), /server_info, /flush_cache (vLLM's /reset_prefix_cache), and
-vLLM's POST /tokenize, POST /detokenize, GET /tokenizer_info. Every bad request gets HTTP 400 (413 for a body
-over --max-request-body-mb) with an OpenAI-style error body and the server carries on; a client that disconnects
-has its requests aborted.
+/health, /health_generate, /metrics (Prometheus), /server_info, /flush_cache (vLLM's /reset_prefix_cache),
+/abort_request, and vLLM's POST /tokenize, POST /detokenize, GET /tokenizer_info. Every bad request gets HTTP
+400 (413 for a body over --max-request-body-mb) with an OpenAI-style error body and the server carries on; a
+client that disconnects has its requests aborted.
 Generation bodies are read by `request_body`, then parsed, checked and tokenized in one hop to one worker
 thread, first come first served: a large request never holds up the event loop that serves everyone else, and
 of requests that come together the first reaches the scheduler first (with the parse on the loop, 8 prompts of
@@ -142,6 +142,16 @@ def create_app(tm: TokenizerManager, watch_children: Callable[[], Callable[[], N
     @app.get("/get_server_info")
     async def server_info() -> dict:
         return await tm.get_server_info()
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> dict:
+        """SGLang's: {"rid": ...} stops that request, {"abort_all": true} every one in flight; each ends its own
+        response with finish reason "abort" and what it generated so far."""
+        body = await json_body(request)
+        rid, abort_all = body.get("rid"), body.get("abort_all", False)
+        if not isinstance(abort_all, bool) or (rid is None) == (not abort_all) or not isinstance(rid, str | None):
+            raise RequestError("give either a string rid or abort_all: true", param="rid")
+        return {"aborted": tm.abort_request(rid)}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     @app.post("/reset_prefix_cache")

@@ -27,6 +27,10 @@ class ReplicaRouter:
         self._replica_of[rid] = replica
         return replica
 
+    def replica_of(self, rid: str) -> int | None:
+        """Where `rid` is in flight; None if it is not."""
+        return self._replica_of.get(rid)
+
     def release(self, rid: str) -> int | None:
         """`rid` left its replica (finished, failed or aborted); the replica it was on, None if unknown."""
         replica = self._replica_of.pop(rid, None)

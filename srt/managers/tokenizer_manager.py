@@ -310,6 +310,16 @@ class TokenizerManager:
             e2e = now - state.builder.created
             self.metrics.finished(reason, o.prompt_tokens, o.completion_tokens, o.cached_tokens, e2e)
 
+    def abort_request(self, rid: str | None = None) -> list[str]:
+        """SGLang's /abort_request: stop `rid` (every request in flight when None) on behalf of another caller.
+        Unlike `abort`, the request's own reader keeps it: the scheduler's last output (finish reason "abort",
+        the tokens so far) ends its response as any finish does. The rids asked to stop."""
+        rids = [rid] if rid is not None else list(self.states)
+        stopping = [r for r in rids if r in self.states and self.router.replica_of(r) is not None]
+        for r in stopping:
+            self._sends[self.router.replica_of(r)].send_pyobj(AbortReq(r))
+        return stopping
+
     def abort(self, rid: str) -> None:
         """Stop a request and forget it; its later outputs are dropped."""
         if self.states.pop(rid, None) is not None:
