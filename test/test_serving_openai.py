@@ -25,6 +25,8 @@ from serving_fixtures import (
 from torch_threads import one_torch_thread
 from transformers import AutoTokenizer
 
+import srt
+
 NEW_TOKENS = 8
 PROMPTS = [f"Request {i}: the weather in city number {i * 7} is" for i in range(32)]
 GREEDY = {"temperature": 0.0, "max_tokens": NEW_TOKENS}
@@ -74,6 +76,9 @@ def test_models_and_health(server, client, name):
     assert [m.id for m in client.models.list().data] == [name]
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/health_generate", timeout=30).status_code == 200
+    assert httpx.get(f"{server.url}/version").json() == {"version": srt.__version__}
+    info = httpx.get(f"{server.url}/get_model_info").json()
+    assert info["model_path"] == name and info["is_generation"] is True
 
 
 def test_completion_matches_reference_streamed_or_not(client, name, tokenizer, reference):
@@ -252,6 +257,8 @@ BAD_REQUESTS = [
     ("/generate", {"input_ids": [1, -3]}, "input_ids"),
     ("/generate", {"text": "hi", "sampling_params": 5}, "sampling_params"),
     ("/generate", {"text": "hi", "bogus": 1}, "bogus"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "and then"}, "suffix"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
     ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": "x"}}, "logit_bias"),

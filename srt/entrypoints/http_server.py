@@ -2,9 +2,9 @@
 
 Routes: POST /generate (SGLang's native API), POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
 /health, /health_generate, /metrics (Prometheus), /server_info, /flush_cache (vLLM's /reset_prefix_cache),
-/abort_request, and vLLM's POST /tokenize, POST /detokenize, GET /tokenizer_info. Every bad request gets HTTP
-400 (413 for a body over --max-request-body-mb) with an OpenAI-style error body and the server carries on; a
-client that disconnects has its requests aborted.
+/abort_request, /version, /get_model_info, and vLLM's POST /tokenize, POST /detokenize, GET /tokenizer_info.
+Every bad request gets HTTP 400 (413 for a body over --max-request-body-mb) with an OpenAI-style error body and
+the server carries on; a client that disconnects has its requests aborted.
 Generation bodies are read by `request_body`, then parsed, checked and tokenized in one hop to one worker
 thread, first come first served: a large request never holds up the event loop that serves everyone else, and
 of requests that come together the first reaches the scheduler first (with the parse on the loop, 8 prompts of
@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from srt import __version__
 from srt.entrypoints.api_key import ApiKeyCheck
 from srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from srt.entrypoints.openai.response_parts import SSE_DONE, RequestError, now, sse
@@ -142,6 +143,17 @@ def create_app(tm: TokenizerManager, watch_children: Callable[[], Callable[[], N
     @app.get("/get_server_info")
     async def server_info() -> dict:
         return await tm.get_server_info()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict:
+        """SGLang's: what is served, from where."""
+        args = tm.server_args
+        return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
+                "served_model_name": tm.model_name, "is_generation": True}  # fmt: skip
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> dict:

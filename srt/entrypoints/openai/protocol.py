@@ -79,6 +79,8 @@ class CompletionRequest(SamplingExtensions):
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+    suffix: str | None = None  # OpenAI's insertion mode: Gemma 4 has none, so a suffix is refused, not dropped
+    best_of: int | None = None  # OpenAI's legacy server-side n: refused above 1, not silently ignored
 
 
 class TextPart(BaseModel):

@@ -34,6 +34,10 @@ class CompletionRun:
 
     def __init__(self, tm: TokenizerManager, request: CompletionRequest) -> None:
         check_model(tm, request.model)
+        if request.suffix:
+            raise RequestError("suffix is not supported: Gemma 4 has no insertion mode", param="suffix")
+        if request.best_of is not None and request.best_of != 1:
+            raise RequestError("best_of is not supported (use n); only best_of 1 is accepted", param="best_of")
         self.tm, self.request = tm, request
         self.prompts = _prompts(request.prompt)
         wants_logprobs = request.logprobs is not None
