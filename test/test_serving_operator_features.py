@@ -96,20 +96,32 @@ def test_flush_cache_empties_the_prefix_cache_of_an_idle_server(server):
     assert again.status_code == 200 and again.json() == {"flushed_tokens": 0}
 
 
-def test_abort_request_ends_another_connections_request(server):
+def aborted_while_running(server, body: dict, running: int) -> tuple[dict, list | dict]:
+    """Send `body` to /generate, wait until `running` requests run, abort its rid from another connection:
+    (/abort_request's answer, the generate call's own answer)."""
     headers = {"Authorization": f"Bearer {KEY}"}
-    body = {"text": "go on", "rid": "long", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(httpx.post, f"{server.url}/generate", json=body, headers=headers, timeout=120)
         deadline = time.monotonic() + 60
-        while httpx.get(f"{server.url}/server_info", headers=headers, timeout=30).json()["num_running_reqs"] == 0:
+        while httpx.get(f"{server.url}/server_info", headers=headers, timeout=30).json()["num_running_reqs"] < running:
             assert time.monotonic() < deadline and not waiting.done()
             time.sleep(0.05)
-        stopped = httpx.post(f"{server.url}/abort_request", json={"rid": "long"}, headers=headers, timeout=30)
-        assert stopped.status_code == 200 and stopped.json() == {"aborted": ["long"]}
-        result = waiting.result().json()
+        stopped = httpx.post(f"{server.url}/abort_request", json={"rid": body["rid"]}, headers=headers, timeout=30)
+        assert stopped.status_code == 200
+        return stopped.json(), waiting.result().json()
+
+
+def test_abort_request_ends_another_connections_request(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    long = {"max_new_tokens": 400, "ignore_eos": True}
+    stopped, result = aborted_while_running(server, {"text": "go on", "rid": "long", "sampling_params": long}, 1)
+    assert stopped == {"aborted": ["long"]}
     assert result["meta_info"]["finish_reason"]["type"] == "abort"
     assert result["meta_info"]["completion_tokens"] < 400  # what it had when stopped (0 if none was read yet)
+    pair = {"text": "go on", "rid": "pair", "sampling_params": {**long, "n": 2}}
+    stopped, results = aborted_while_running(server, pair, 2)
+    assert sorted(stopped["aborted"]) == ["pair-0", "pair-1"]
+    assert [r["meta_info"]["finish_reason"]["type"] for r in results] == ["abort", "abort"]
     none = httpx.post(f"{server.url}/abort_request", json={"abort_all": True}, headers=headers, timeout=30)
     assert none.json() == {"aborted": []}
     bad = httpx.post(f"{server.url}/abort_request", json={"rid": 5}, headers=headers, timeout=30)

@@ -311,11 +311,12 @@ class TokenizerManager:
             self.metrics.finished(reason, o.prompt_tokens, o.completion_tokens, o.cached_tokens, e2e)
 
     def abort_request(self, rid: str | None = None) -> list[str]:
-        """SGLang's /abort_request: stop `rid` (every request in flight when None) on behalf of another caller.
-        Unlike `abort`, the request's own reader keeps it: the scheduler's last output (finish reason "abort",
-        the tokens so far) ends its response as any finish does. The rids asked to stop."""
-        rids = [rid] if rid is not None else list(self.states)
-        stopping = [r for r in rids if r in self.states and self.router.replica_of(r) is not None]
+        """SGLang's /abort_request: stop `rid` and its n samples (`rid-0`, `rid-1`, ...; every request in flight
+        when None) on behalf of another caller. Unlike `abort`, the request's own reader keeps it: the
+        scheduler's last output (finish reason "abort", the tokens so far) ends its response as any finish
+        does. The rids asked to stop."""
+        rids = [r for r in self.states if rid is None or r == rid or _is_sample_of(r, rid)]
+        stopping = [r for r in rids if self.router.replica_of(r) is not None]
         for r in stopping:
             self._sends[self.router.replica_of(r)].send_pyobj(AbortReq(r))
         return stopping
@@ -428,3 +429,8 @@ class TokenizerManager:
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(RuntimeError(problem))
+
+
+def _is_sample_of(rid: str, base: str) -> bool:
+    """Whether `rid` is one of the n samples `generate_input` makes of request `base` (`base-0`, `base-1`, ...)."""
+    return rid.startswith(base + "-") and rid[len(base) + 1 :].isdigit()
