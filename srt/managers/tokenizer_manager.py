@@ -315,11 +315,11 @@ class TokenizerManager:
         when None) on behalf of another caller. Unlike `abort`, the request's own reader keeps it: the
         scheduler's last output (finish reason "abort", the tokens so far) ends its response as any finish
         does. The rids asked to stop."""
-        rids = [r for r in self.states if rid is None or r == rid or _is_sample_of(r, rid)]
-        stopping = [r for r in rids if self.router.replica_of(r) is not None]
-        for r in stopping:
-            self._sends[self.router.replica_of(r)].send_pyobj(AbortReq(r))
-        return stopping
+        asked = [r for r in self.states if rid is None or r == rid or _is_sample_of(r, rid)]
+        stopping = [(r, replica) for r in asked if (replica := self.router.replica_of(r)) is not None]
+        for r, replica in stopping:
+            self._sends[replica].send_pyobj(AbortReq(r))
+        return [r for r, _ in stopping]
 
     def abort(self, rid: str) -> None:
         """Stop a request and forget it; its later outputs are dropped."""

@@ -39,13 +39,7 @@ from srt.speculative.accept import Accepted, accept_greedy, accept_sampled
 def speculates(req: Req) -> bool:
     """Whether a request verifies drafts (module docstring)."""
     params = req.params.sampling_params
-    return (
-        params.repetition_penalty == 1.0
-        and params.frequency_penalty == 0.0
-        and params.presence_penalty == 0.0
-        and params.min_new_tokens == 0
-        and not params.logit_bias
-    )
+    return not params.uses_token_history and not params.logit_bias
 
 
 def num_drafts_for(req: Req, num_steps: int, context_len: int) -> int:
