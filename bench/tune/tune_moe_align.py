@@ -21,7 +21,7 @@ EXPERTS, TOP_K, BLOCK_M, CALLS = 128, 8, 16, 50
 def time_us(tokens: int, chunk: int, warps: int) -> float:
     ids = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]).cuda().int().reshape(-1)
     slots = ids.numel()
-    max_blocks = -(-(slots + min(EXPERTS, slots) * (BLOCK_M - 1)) // BLOCK_M)  # as align_slots sizes it
+    max_blocks = align.max_blocks_for(slots, EXPERTS, BLOCK_M)
     slot_of_row = torch.full((max_blocks * BLOCK_M,), slots, dtype=torch.int32, device="cuda")
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device="cuda")
     num_rows = torch.empty(1, dtype=torch.int64, device="cuda")

@@ -32,6 +32,11 @@ def chunk_for(num_slots: int) -> int:
     return min(max(triton.next_power_of_2(num_slots), MIN_CHUNK), MAX_CHUNK)
 
 
+def max_blocks_for(num_slots: int, num_experts: int, block_m: int) -> int:
+    """Blocks of `block_m` rows that `num_slots` slots can need at most: each expert that holds any pads its run."""
+    return -(-(num_slots + min(num_experts, num_slots) * (block_m - 1)) // block_m)
+
+
 @jit
 def _align_kernel(
     ids_ptr,
@@ -86,7 +91,7 @@ def align_slots(
     num_slots = flat.numel()
     if num_slots > ALIGN_MAX_SLOTS:
         raise ValueError(f"align_slots handles up to {ALIGN_MAX_SLOTS} slots, got {num_slots}")
-    max_blocks = -(-(num_slots + min(num_experts, num_slots) * (block_m - 1)) // block_m)
+    max_blocks = max_blocks_for(num_slots, num_experts, block_m)
     device = flat.device
     slot_of_row = torch.full((max_blocks * block_m,), num_slots, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
