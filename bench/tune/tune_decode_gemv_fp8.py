@@ -10,7 +10,8 @@ calls it (`w8a8_splits` K-chunks, srt's tiles), and every GEMV config of the gri
 for partial sums every K-chunk count that divides), timed as `tune_decode_gemm_fp8.py` times (a CUDA graph of
 chained calls over weight copies that overflow L2, median of 10 replays), each checked against the dequantized
 product first. Printed: the fastest GEMV per projection, and per model and rows the decode step's projections
-summed (W8A8, each shape's fastest GEMV, and each single tile with its best K-chunks per shape: srt's tiles).
+summed (W8A8, each shape's fastest GEMV, srt's tiles and K-chunks, and each single tile at its best K-chunks per
+shape); `--srt-tiles` times srt's tiles (`gemv_tiles`) at every K-chunk count instead of the grid.
 """
 
 from __future__ import annotations
@@ -38,7 +39,14 @@ from srt.kernels.decode_gemm_fp8_variants import (  # noqa: E402
     decode_w8a8_applies,
     w8a8_splits,
 )
-from srt.kernels.decode_gemv_fp8 import GemvTiles, decode_gelu_mlp_gemv, decode_linear_gemv, gemv_fits  # noqa: E402
+from srt.kernels.decode_gemv_fp8 import (  # noqa: E402
+    GemvTiles,
+    decode_gelu_mlp_gemv,
+    decode_linear_gemv,
+    gemv_fits,
+    gemv_splits,
+    gemv_tiles,
+)
 from srt.kernels.gelu_mul import gelu_tanh_mul_packed  # noqa: E402
 
 # the first sweep of 2026-11-27 (tune-decode-gemv-fp8-h100-first.json; the kernel also loaded the next K-step by
@@ -60,7 +68,7 @@ def fits(tiles: GemvTiles, projection: Projection, rows: int, splits: int) -> bo
     return registers <= MAX_ACC_PER_THREAD and gemv_fits(rows, projection.n, projection.k, projection.k, kind, tiles)
 
 
-def run_projection(projection: Projection, rows: int, timer: Timer, copy_rate: float) -> dict:
+def run_projection(projection: Projection, rows: int, timer: Timer, copy_rate: float, grid: list[GemvTiles]) -> dict:
     n, k = projection.n, projection.k
     gated = projection.kind == GATED
     fp8_bytes = n * k + 4 * n
@@ -93,7 +101,9 @@ def run_projection(projection: Projection, rows: int, timer: Timer, copy_rate: f
             lambda layer: decode_linear_w8a8(x, layer.weight, layer.weight_scale, layer.block_k, s)
         )
     result["w8a8_us"] = timed(w8a8, W8A8_BOUND)[0] if w8a8 else None
-    for tiles in GRID:
+    srt_tiles = gemv_tiles(n // 2 if gated else n, k, gated)
+    result["srt_tiles"] = list(srt_tiles)
+    for tiles in grid or [srt_tiles]:
         for splits in (1,) if gated else SPLITS:
             if not fits(tiles, projection, rows, splits):
                 continue
@@ -110,17 +120,23 @@ def run_projection(projection: Projection, rows: int, timer: Timer, copy_rate: f
     return result
 
 
-def per_step(results: list[dict]) -> dict:
-    """Per model and rows: W8A8, each shape's fastest GEMV, the floor, and each tile at its best splits per shape."""
+def per_step(results: list[dict], grid: list[GemvTiles]) -> dict:
+    """Per model and rows: W8A8, each shape's fastest GEMV, srt's (its tiles and K-chunks per shape), the floor, and
+    each tile of the grid at its best splits per shape."""
     totals: dict = {}
     for r in results:
-        entry = totals.setdefault(f"{r['model']} rows {r['rows']}", {"w8a8": 0.0, "gemv_best": 0.0, "floor": 0.0})
+        entry = totals.setdefault(
+            f"{r['model']} rows {r['rows']}", {"w8a8": 0.0, "gemv_best": 0.0, "srt": 0.0, "floor": 0.0}
+        )
+        srt_splits = 1 if r["gated"] else gemv_splits(r["n"], r["k"])
+        srt = [c["us"] for c in r["configs"] if c["tiles"] == r["srt_tiles"] and c["splits"] == srt_splits]
+        entry["srt"] += r["per_step"] * (srt[0] if srt and srt[0] is not None else float("inf"))
         entry["floor"] += r["per_step"] * r["floor_us"]
         entry["w8a8"] = (
             None if entry["w8a8"] is None or r["w8a8_us"] is None else entry["w8a8"] + r["per_step"] * r["w8a8_us"]
         )
         entry["gemv_best"] += r["per_step"] * (r["best"]["us"] if r["best"] else float("inf"))
-        for tiles in GRID:
+        for tiles in grid:
             us = [c["us"] for c in r["configs"] if c["us"] is not None and c["tiles"] == list(tiles)]
             key = "tile " + "x".join(map(str, tiles))
             entry[key] = entry.get(key, 0.0) + r["per_step"] * (min(us) if us else float("inf"))
@@ -150,6 +166,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="the JSON (default: $OUT/tune-decode-gemv-fp8.json)")
     parser.add_argument("--models", nargs="+", default=["E4B", "31B"], choices=list(MODELS))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2])
+    parser.add_argument("--srt-tiles", action="store_true", help="srt's tiles per shape (gemv_tiles) only, no grid")
     args = parser.parse_args()
     torch.manual_seed(0)
     device = torch.device("cuda")
@@ -158,10 +175,11 @@ def main() -> None:
     out = args.out or (Path(os.environ["OUT"]) / "tune-decode-gemv-fp8.json" if os.environ.get("OUT") else None)
     payload = {"device": torch.cuda.get_device_name(), "copy_bytes_per_s": copy_rate, "results": []}
     timer, start = Timer(device, smoke=False), time.perf_counter()
+    grid = [] if args.srt_tiles else GRID
     for model in args.models:
         for rows in args.rows:
             for projection in projections(model):
-                r = run_projection(projection, rows, timer, copy_rate)
+                r = run_projection(projection, rows, timer, copy_rate, grid)
                 payload["results"].append(r)
                 best = r["best"]
                 where = f"{tuple(best['tiles'])} s{best['splits']} {best['us']:7.2f}" if best else "none ran"
@@ -171,11 +189,12 @@ def main() -> None:
                 if out is not None:
                     out.write_text(json.dumps(payload, indent=1))
                 torch.cuda.empty_cache()
-    payload["per_step_us"] = totals = per_step(payload["results"])
+    payload["per_step_us"] = totals = per_step(payload["results"], grid)
     print("\nprojections per decode step (us):")
     for key, entry in totals.items():
         fixed = sorted((v, k) for k, v in entry.items() if k.startswith("tile"))[:4]
         sums = f"floor {entry['floor']:8.1f} w8a8 {entry['w8a8'] or 0:8.1f} gemv best {entry['gemv_best']:8.1f}"
+        sums += f" srt {entry['srt']:8.1f}"
         print(f"  {key:14s} {sums}  single tiles: " + ", ".join(f"{k[5:]} {v:.1f}" for v, k in fixed))
     payload["ptx"] = ptx_summary()
     for entry in payload["ptx"][:12]:

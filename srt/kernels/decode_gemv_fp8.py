@@ -4,10 +4,11 @@ At these sizes a projection is a stream of weight bytes, and the tensor-core ker
 `decode_gemm_fp8_variants.py`) pad the rows to the MMA's 16 or 64 and either convert every weight e4m3 -> bf16
 in the conversion units (16 results per clock per SM on sm90) or quantize x and scale every K-step's product:
 on an H100 they ran E4B's projections at ~1.5x their bytes' floor (`docs/benchmarks.md`). Here each program
-loads [BLOCK_N, BLOCK_K] weight bytes with plain vector loads, turns each byte into a float32 with integer ops
-(`e4m3_bits_as_f32`: no conversion instruction) and multiplies it by x in float32 FMAs, keeping one product
-per loaded value in registers and summing along K once, at the end. Triton's software pipeline keeps 5 K-steps
-of weights in flight per program (the sweep: 1.3x faster than loading the next step by hand before the FMAs).
+loads [BLOCK_N, BLOCK_K] weight bytes with plain vector loads, turns them into float32 through float16 (Triton's
+cast: one cvt.rn.f16x2.e4m3x2 per two weights, exact) and multiplies them by x in float32 FMAs, keeping one
+product per loaded value in registers and summing along K once, at the end. Triton's software pipeline keeps
+STAGES - 1 K-steps of weights in flight per program (the sweep: 1.3x faster than loading the next step by hand).
+The tiles depend on the weight's shape (`gemv_tiles`).
 
 srt runs it for one row (`FASTER_THAN_W8A8_ROWS`); the kernel takes up to 4 (at 2 and 4 the W8A8 kernel was as fast
 or faster). Per-channel scales only (`--quantization fp8`, FP8-dynamic checkpoints); 128 x 128 block scales keep
@@ -40,23 +41,6 @@ class GemvTiles(NamedTuple):
     stages: int = 6  # the depth of Triton's software pipeline over K-steps
 
 
-# the scale that `e4m3_bits_as_f32` leaves on every value (2^-120), undone in the epilogue; constexpr: compiled
-# kernels read no other globals
-_UNDO_BITS_SCALE = tl.constexpr(2.0**120) if tl is not None else 2.0**120
-# 0x87F00000 as an int32: the sign bit and the 7 bits of e4m3's exponent and mantissa, in float32's places
-_E4M3_BITS_IN_F32 = tl.constexpr(-0x78100000) if tl is not None else -0x78100000
-
-
-@jit
-def e4m3_bits_as_f32(w):
-    """float8_e4m3fn bytes (uint8) -> float32 values times 2^-120, exactly, in three integer ops: the byte's
-    sign to bit 31, its 4 exponent and 3 mantissa bits to float32's low exponent bits and top mantissa bits.
-    An e4m3 exponent e (bias 7) becomes float32 exponent e (bias 127), and e4m3's subnormals float32's
-    subnormals, hence 2^-120 for every value (the float32 FMAs keep subnormals: Triton flushes none)."""
-    bits = w.to(tl.int32) << 24
-    return ((bits >> 4) & _E4M3_BITS_IN_F32).to(tl.float32, bitcast=True)
-
-
 @jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, rows, n, k, k_per_split, up_offset, up_bytes,
@@ -79,28 +63,35 @@ def _fp8_gemv_kernel(
     # Triton's software pipeline keeps STAGES - 1 K-steps of weights in flight (through shared memory)
     for step in tl.range(0, k_per_split, BLOCK_K, num_stages=STAGES):
         x = tl.load(x_ptrs + step, mask=x_mask, other=0.0).to(tl.float32)
-        acc += e4m3_bits_as_f32(tl.load(w_ptrs + step)) * x
+        acc += tl.load(w_ptrs + step).to(tl.float8e4nv, bitcast=True).to(tl.float32) * x
         if GATED:
-            acc_up += e4m3_bits_as_f32(tl.load(w_ptrs + up_bytes + step)) * x
+            acc_up += tl.load(w_ptrs + up_bytes + step).to(tl.float8e4nv, bitcast=True).to(tl.float32) * x
     out_dtype = out_ptr.dtype.element_ty
-    result = tl.sum(acc, axis=2) * (tl.load(scale_ptr + offs_n) * _UNDO_BITS_SCALE)[None, :]
+    result = tl.sum(acc, axis=2) * tl.load(scale_ptr + offs_n)[None, :]
     if GATED:  # the GEMM's two rounded outputs, then gelu_tanh_mul's rounding
-        up = tl.sum(acc_up, axis=2) * (tl.load(scale_ptr + up_offset + offs_n) * _UNDO_BITS_SCALE)[None, :]
+        up = tl.sum(acc_up, axis=2) * tl.load(scale_ptr + up_offset + offs_n)[None, :]
         result = gelu_tanh_mul_rounded(round_to(result, out_dtype), round_to(up, out_dtype), out_dtype)
     out = out_ptr + (tl.program_id(1) * rows + offs_r)[:, None] * n + offs_n[None, :]
     tl.store(out, result.to(out_dtype), mask=(offs_r < rows)[:, None])
 
 
-# H100 sweeps of 2026-11-27 (bench/tune/tune_decode_gemv_fp8.py, tune-decode-gemv-fp8-h100.json): Triton's pipeline
-# 4-6 deep beat the hand prefetch everywhere (E4B's step 2.3 -> 1.8 ms); 16 x 256 at 4 warps and 6 stages was within
-# 2% of each shape's fastest tile summed over a decode step of E4B and 31B; 4 warps beat 8
+# H100 sweeps of 2026-11-27 (bench/tune/tune_decode_gemv_fp8.py, tune-decode-gemv-fp8-h100.json and, with the
+# cvt, tune-decode-gemv-fp8-weights-h100.json): Triton's pipeline 4-8 deep beat the hand prefetch everywhere; 4
+# warps beat 8; 8-column programs for N up to NARROW_N (E4B's o, down, q of KV-shared layers, sliding qkv), 16 above
+# (31B: 8 columns made its step 12.55 -> 12.99 ms); the MLP's gate_up 8 x 512 where K allows (E4B 23.1 -> 20.6 us)
 TILES = GemvTiles(16, 256, 4, 6)
+NARROW_TILES = GemvTiles(8, 256, 4, 4)
+NARROW_N = 3072
+GATED_TILES = GemvTiles(16, 256, 4, 6)
+WIDE_K_GATED_TILES = GemvTiles(8, 512, 4, 8)
 # srt takes this kernel over the W8A8 one up to this many rows: at 1 row a decode step's projections took 1.81 vs
 # 2.10 ms (E4B) and 10.95 vs 12.32 (31B); at 2 rows E4B's were no faster (2.10 vs 2.10), at 4 slower (2.89 vs 2.10)
 FASTER_THAN_W8A8_ROWS = 1
-# K-chunks: up to this many programs (the sweep: 320-336 programs fast, 640-672 slow), else, where one chunk would
-# already give more, chunks of at most MAX_STEPS K-steps (31B qkv: 39.2 us in 21 steps, 35.0 in 3 chunks of 7)
+# K-chunks: where one chunk has up to FEW_PROGRAMS programs, as many chunks as keep N x chunks within FEW_COLUMNS
+# (16-column tiles: 320-336 programs fast, 640-672 slow; 8-column ones: 512-640 fast, 768 slow; E4B's o 3.94 -> 3.69
+# us in 2 chunks), else chunks of at most MAX_STEPS K-steps (31B qkv: 39.2 us in 21 steps, 35.0 in 3 chunks of 7)
 FEW_PROGRAMS = 400
+FEW_COLUMNS = 5120
 MAX_STEPS = 8
 # ... except behind a kernel that holds every SM to its end (the MLP's down, K >= 2N, behind the gate_up GEMV): its
 # chained programs take the slots of the first programs to finish and pile onto a few SMs unless there are enough
@@ -110,18 +101,27 @@ FILLING_PROGRAMS = 1024
 
 
 @functools.cache  # asked at every FP8 projection's call
+def gemv_tiles(n: int, k: int, gated: bool) -> GemvTiles:
+    """srt's tiles for an [n, k] weight (for GATED, n is each half's rows)."""
+    if gated:
+        return WIDE_K_GATED_TILES if k % WIDE_K_GATED_TILES.block_k == 0 else GATED_TILES
+    return NARROW_TILES if n <= NARROW_N else TILES
+
+
+@functools.cache  # asked at every FP8 projection's call
 def gemv_splits(n: int, k: int) -> int:
-    """srt's K-chunks for an [n, k] weight's partial sums (`FEW_PROGRAMS`, `MAX_STEPS`, `FILLING_PROGRAMS`); 1 where
-    BLOCK_K does not divide k (`gemv_fits` then refuses the shape)."""
-    steps, programs = k // TILES.block_k, n // TILES.block_n
-    if steps == 0 or k % TILES.block_k:
+    """srt's K-chunks for an [n, k] weight's partial sums (`FEW_PROGRAMS`, `FEW_COLUMNS`, `MAX_STEPS`,
+    `FILLING_PROGRAMS`); 1 where BLOCK_K does not divide k (`gemv_fits` then refuses the shape)."""
+    tiles = gemv_tiles(n, k, gated=False)
+    steps, programs = k // tiles.block_k, n // tiles.block_n
+    if steps == 0 or k % tiles.block_k:
         return 1
     divisors = [s for s in range(1, steps + 1) if steps % s == 0]
     if k >= 2 * n:  # the MLP's down (E4B and 31B: K = 4N; 2N where tensor parallelism halves K)
         return next((s for s in divisors if programs * s >= FILLING_PROGRAMS), steps)
     if programs > FEW_PROGRAMS:
         return next(s for s in divisors if steps // s <= MAX_STEPS)
-    return max(s for s in divisors if programs * s <= FEW_PROGRAMS or s == 1)
+    return max(s for s in divisors if n * s <= FEW_COLUMNS or s == 1)
 
 
 def decode_gemv_applies(x: torch.Tensor, weight: torch.Tensor, block_k: int, splits: int | str) -> bool:
@@ -135,11 +135,12 @@ def decode_gemv_applies(x: torch.Tensor, weight: torch.Tensor, block_k: int, spl
     return fits and x.dtype in (torch.bfloat16, torch.float16) and weight.is_contiguous()
 
 
-def gemv_fits(rows: int, n: int, k: int, block_k: int, splits: int | str, tiles: GemvTiles = TILES) -> bool:
-    """What the kernel takes: 1-4 rows, per-channel scales (block_k >= k), and `tiles` dividing N (each half of it
-    for GATED) and the K-chunks."""
+def gemv_fits(rows: int, n: int, k: int, block_k: int, splits: int | str, tiles: GemvTiles | None = None) -> bool:
+    """What the kernel takes: 1-4 rows, per-channel scales (block_k >= k), and `tiles` (default: srt's,
+    `gemv_tiles`) dividing N (each half of it for GATED) and the K-chunks."""
     n = n // 2 if splits == GATED else n
     chunks = 1 if splits == GATED else splits
+    tiles = tiles or gemv_tiles(n, k, splits == GATED)
     return 0 < rows <= MAX_ROWS and block_k >= k and n % tiles.block_n == 0 and k % (chunks * tiles.block_k) == 0
 
 
@@ -152,7 +153,7 @@ def decode_linear_gemv(
     rows, n = x.shape[0], weight.shape[0]
     shape = (rows, n) if splits == 1 else (splits, rows, n)
     out = torch.empty(shape, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
-    _launch(x, weight, scale, out, splits, n, tiles or TILES, gated=False)
+    _launch(x, weight, scale, out, splits, n, tiles or gemv_tiles(n, x.shape[1], False), gated=False)
     return out
 
 
@@ -163,7 +164,7 @@ def decode_gelu_mlp_gemv(
     and per-channel scale; call where `decode_gemv_applies(x, weight, block_k, GATED)`."""
     rows, n = x.shape[0], weight.shape[0] // 2
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    _launch(x, weight, scale, out, 1, n, tiles or TILES, gated=True)
+    _launch(x, weight, scale, out, 1, n, tiles or gemv_tiles(n, x.shape[1], True), gated=True)
     return out
 
 

@@ -16,9 +16,9 @@ from srt.kernels.decode_gemv_fp8 import (
     decode_gelu_mlp_gemv,
     decode_gemv_applies,
     decode_linear_gemv,
-    e4m3_bits_as_f32,
     gemv_fits,
     gemv_splits,
+    gemv_tiles,
 )
 from srt.kernels.gelu_mul import gelu_tanh_mul_packed
 from srt.kernels.triton_support import jit, kernel_runs_on, tl
@@ -33,9 +33,9 @@ def interpreter() -> None:
 
 
 @jit
-def _bits_kernel(w_ptr, out_ptr, BLOCK: tl.constexpr):
+def _cast_kernel(w_ptr, out_ptr, BLOCK: tl.constexpr):  # the kernel's e4m3 -> float32 cast, alone
     offs = tl.arange(0, BLOCK)
-    tl.store(out_ptr + offs, e4m3_bits_as_f32(tl.load(w_ptr + offs)))
+    tl.store(out_ptr + offs, tl.load(w_ptr + offs).to(tl.float8e4nv, bitcast=True).to(tl.float32))
 
 
 def expected(x: torch.Tensor, layer: object, splits: int | str) -> torch.Tensor:
@@ -60,19 +60,18 @@ def summed(out: torch.Tensor) -> torch.Tensor:
 BOUNDS = {1: 1e-2, 2: 1e-5, 4: 1e-5, GATED: 1e-2}
 
 
-def check_bits(device: str) -> None:
+def check_cast(device: str) -> None:
     w = torch.arange(256, dtype=torch.int32, device=device).to(torch.uint8)
-    w = w[(w & 0x7F) != 0x7F]  # e4m3fn's two NaN encodings: no weight holds them
+    w = torch.where((w & 0x7F) == 0x7F, torch.zeros_like(w), w)  # e4m3fn's two NaN encodings: no weight holds them
     out = torch.empty(256, dtype=torch.float32, device=device)
-    padded = torch.cat([w, w[:2]])  # 256 values for the power-of-2 block
-    _bits_kernel[(1,)](padded, out, BLOCK=256)
-    reference = padded.view(torch.float8_e4m3fn).float() * 2.0**-120
+    _cast_kernel[(1,)](w, out, BLOCK=256)
+    reference = w.view(torch.float8_e4m3fn).float()
     assert torch.equal(out.view(torch.int32), reference.view(torch.int32))  # bit for bit: -0 and subnormals too
 
 
 @pytest.mark.usefixtures("interpreter")
-def test_e4m3_bits_become_float32_values_times_2_to_the_minus_120_exactly() -> None:
-    check_bits("cpu")
+def test_e4m3_bytes_become_their_float32_values_exactly() -> None:
+    check_cast("cpu")
 
 
 @pytest.mark.usefixtures("interpreter")
@@ -114,13 +113,24 @@ def test_fits_per_channel_weights_of_one_to_four_rows_only() -> None:
     assert not decode_gemv_applies(torch.zeros(1, 2560).bfloat16(), torch.zeros(2560, 2560), 2560, 5)  # CPU
 
 
+def test_tiles_follow_the_weight_shape() -> None:
+    """8-column programs up to NARROW_N output columns, 16 above; the MLP's gate_up 8 x 512 where K is a multiple of
+    512, else 16 x 256."""
+    assert gemv_tiles(2560, 10240, False).block_n == 8 and gemv_tiles(3072, 2560, False).block_n == 8  # E4B
+    assert gemv_tiles(6144, 2560, False).block_n == 16 and gemv_tiles(5376, 8192, False).block_n == 16  # 31B
+    assert gemv_tiles(10240, 2560, True)[:2] == (8, 512)  # E4B gate_up (each half's rows)
+    assert gemv_tiles(21504, 5376, True)[:2] == (16, 256)  # 31B: K = 21 x 256
+    assert gemv_fits(1, 43008, 5376, 5376, GATED) and not gemv_fits(1, 43008, 5376, 5376, GATED, GemvTiles(8, 512))
+
+
 def test_splits_keep_few_programs_or_short_chunks() -> None:
-    """Up to FEW_PROGRAMS programs of 16 columns; where one chunk already has more, chunks of <= 8 K-steps; the MLP's
-    down (K >= 2N) at least FILLING_PROGRAMS."""
-    assert gemv_splits(3072, 2560) == 2  # E4B qkv (sliding): 192 programs a chunk
-    assert gemv_splits(6144, 2560) == 1  # E4B qkv (full): 384
-    assert gemv_splits(2560, 10240) == 8  # E4B down: 160 a chunk -> 1280
-    assert gemv_splits(2048, 2560) == 2  # E4B q of KV-shared sliding layers: 128 a chunk, halves of 10 steps
+    """Where one chunk has up to FEW_PROGRAMS programs, N x chunks within FEW_COLUMNS; else chunks of <= 8 K-steps;
+    the MLP's down (K >= 2N) at least FILLING_PROGRAMS programs."""
+    assert gemv_splits(3072, 2560) == 1  # E4B qkv (sliding): 384 programs of 8 columns
+    assert gemv_splits(6144, 2560) == 1  # E4B qkv (full): 384 of 16
+    assert gemv_splits(2560, 10240) == 4  # E4B down: 320 a chunk -> 1280
+    assert gemv_splits(2560, 2048) == 2  # E4B o (sliding): 320 a chunk, halves of 4 steps
+    assert gemv_splits(2048, 2560) == 2  # E4B q of KV-shared sliding layers: 256 a chunk, halves of 5 steps
     assert gemv_splits(5376, 21504) == 4  # 31B down: 336 a chunk -> 1344
     assert gemv_splits(5376, 10752) == 6  # 31B down over 2 GPUs: 42 steps; thirds give 1008 programs, sixths 2016
     assert gemv_splits(5376, 8192) == 1  # 31B o (sliding): 336 programs
@@ -146,7 +156,7 @@ GPU_SHAPES = [
 def test_gemv_at_gemma4_shapes(rows: int, stages: int) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    check_bits("cuda")
+    check_cast("cuda")
     for n, k, splits in GPU_SHAPES:
         layer = fp8_layer(n, k, "channel", "cuda", seed=n + k)
         x = torch.randn(rows, k, device="cuda").bfloat16()
