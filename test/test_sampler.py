@@ -22,8 +22,8 @@ CPU = torch.device("cpu")
 EOS = 1
 
 
-def _batch(params: list[SamplingParams], vocab: int, **kwargs) -> SamplingBatch:
-    return SamplingBatch.build(params, vocab_size=vocab, device=CPU, eos_token_ids=[EOS], **kwargs)
+def _batch(params: list[SamplingParams], vocab: int, device: torch.device = CPU, **kwargs) -> SamplingBatch:
+    return SamplingBatch.build(params, vocab_size=vocab, device=device, eos_token_ids=[EOS], **kwargs)
 
 
 def _draws(logits_row: torch.Tensor, params: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
@@ -155,25 +155,39 @@ def test_penalties_change_greedy_choice() -> None:
         sample(logits, batch)
 
 
-def test_logit_bias_is_added_to_its_rows_logits_before_greedy_and_sampled_choices() -> None:
+def check_logit_bias(device: torch.device) -> None:
     """Greedy rows: +100 makes a low token the argmax even where the caller's argmax is given, -100 takes the
     argmax out; a sampled row whose other tokens all get -100 draws its one token; an unbiased neighbour keeps
     the caller's argmax; logprobs stay those of the raw logits."""
-    logits = torch.tensor([[2.0, 0.5, 1.5, -1.0]] * 4)
+    logits = torch.tensor([[2.0, 0.5, 1.5, -1.0]] * 4, device=device)
     params = [
         SamplingParams(temperature=0, logit_bias={"3": 100}),
         SamplingParams(temperature=0, logit_bias={0: -100.0}),
         SamplingParams(temperature=1.0, logit_bias={0: -100, 1: -100, 2: -100}),
         SamplingParams(temperature=0),
     ]
-    batch = _batch(params, 4, default_generator=make_generator(0, CPU))
+    batch = _batch(params, 4, device, default_generator=make_generator(0, device))
     assert batch.use_logit_bias and not batch.needs_penalty_state
-    out = sample(logits, batch, greedy_ids=torch.zeros(4, dtype=torch.int64), top_logprobs_num=1)
+    greedy = torch.zeros(4, dtype=torch.int64, device=device)
+    out = sample(logits, batch, greedy_ids=greedy, top_logprobs_num=1)
     assert out.next_token_ids.tolist() == [3, 2, 3, 0]
-    torch.testing.assert_close(out.logprobs, torch.log_softmax(logits, dim=-1)[torch.arange(4), out.next_token_ids])
+    rows = torch.arange(4, device=device)
+    torch.testing.assert_close(out.logprobs, torch.log_softmax(logits, dim=-1)[rows, out.next_token_ids])
     biased = apply_penalties(logits, batch, None)
     assert biased[0].tolist() == [2.0, 0.5, 1.5, 99.0] and torch.equal(biased[3], logits[3])
-    assert not _batch([SamplingParams(temperature=0)], 4).use_logit_bias
+    assert not _batch([SamplingParams(temperature=0)], 4, device).use_logit_bias
+
+
+def test_logit_bias_is_added_to_its_rows_logits_before_greedy_and_sampled_choices() -> None:
+    check_logit_bias(CPU)
+
+
+@pytest.mark.gpu
+def test_logit_bias_on_cuda() -> None:
+    """The same on CUDA: the bias rows are written with index_put_ on the device (no host wait)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    check_logit_bias(torch.device("cuda"))
 
 
 def test_min_new_tokens_masks_eos_and_stop_ids_until_reached() -> None:
