@@ -114,7 +114,7 @@ class GenerateReqInput:
                 singles.append(
                     SingleReq(
                         index=len(singles),
-                        rid=base_rid if n == 1 else f"{base_rid}-{j}",
+                        rid=base_rid if n == 1 else sample_rid(base_rid, j),
                         text=_item(self.text, i) if self.is_batch else self.text,
                         input_ids=_item(self.input_ids, i) if self.is_batch else self.input_ids,
                         sampling_params=sample,
@@ -200,3 +200,13 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> N
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     if high is not None and value > high:
         raise ValueError(f"{name} must be at most {high}, got {value}")
+
+
+def sample_rid(base: str, index: int) -> str:
+    """The rid of sample `index` of a request `base` asking for n > 1 samples."""
+    return f"{base}-{index}"
+
+
+def is_sample_of(rid: str, base: str) -> bool:
+    """Whether `rid` is one of the samples `sample_rid` names for request `base` (`base-0`, `base-1`, ...)."""
+    return rid.startswith(base + "-") and rid[len(base) + 1 :].isdigit()

@@ -22,7 +22,7 @@ import zmq.asyncio
 
 from srt import __version__
 from srt.managers.admission import Overloaded
-from srt.managers.generate_input import GenerateReqInput, SingleReq
+from srt.managers.generate_input import GenerateReqInput, SingleReq, is_sample_of
 from srt.managers.generate_output import ResultBuilder, TokenTexts
 from srt.managers.io_struct import (
     AbortReq,
@@ -315,7 +315,7 @@ class TokenizerManager:
         when None) on behalf of another caller. Unlike `abort`, the request's own reader keeps it: the
         scheduler's last output (finish reason "abort", the tokens so far) ends its response as any finish
         does. The rids asked to stop."""
-        asked = [r for r in self.states if rid is None or r == rid or _is_sample_of(r, rid)]
+        asked = [r for r in self.states if rid is None or r == rid or is_sample_of(r, rid)]
         stopping = [(r, replica) for r in asked if (replica := self.router.replica_of(r)) is not None]
         for r, replica in stopping:
             self._sends[replica].send_pyobj(AbortReq(r))
@@ -429,8 +429,3 @@ class TokenizerManager:
         for waiter in self._waiters.values():
             if not waiter.done():
                 waiter.set_exception(RuntimeError(problem))
-
-
-def _is_sample_of(rid: str, base: str) -> bool:
-    """Whether `rid` is one of the n samples `generate_input` makes of request `base` (`base-0`, `base-1`, ...)."""
-    return rid.startswith(base + "-") and rid[len(base) + 1 :].isdigit()
