@@ -312,15 +312,16 @@ stage_serving_ref() {  # bench_one_batch at fast-prefill's shapes: the decode st
 }
 
 stage_profile() {  # where time goes, kernel by kernel (eager by default; PROFILE_GRAPHS=1 profiles replays)
-    # PROFILES: model:batch:phase[:extra flag], e.g. E4B:1:decode or 26B-A4B:1:decode:--swa-full-tokens-ratio=1
+    # PROFILES: model:batch:phase[:extra flag], e.g. E4B:1:decode or 26B-A4B:1:decode:--swa-full-tokens-ratio=1;
+    # PROFILE_EXTRA: flags for every run (e.g. "--kv-cache-dtype fp8_e4m3"); PROFILE_INPUT_LEN: the context (512)
     graphs="--disable-cuda-graph" suffix=""
     [ "${PROFILE_GRAPHS:-0}" = 1 ] && graphs="" suffix="-graphs"
     for run in ${PROFILES:-E4B:1:decode}; do
         IFS=: read -r model batch phase extra <<<"$run"
         out="$RESULTS/profile-$model-$phase-bs$batch$suffix.txt"
         timeout 200 python3 bench/profile_forward.py --model-path gemma-4-$model-it --load-format dummy \
-            --dtype bfloat16 --phase "$phase" --batch-size "$batch" --input-len 512 $graphs \
-            --rows 30 --trace "$RESULTS/trace.json" $extra >"$out" 2>&1
+            --dtype bfloat16 --phase "$phase" --batch-size "$batch" --input-len "${PROFILE_INPUT_LEN:-512}" $graphs \
+            --rows 30 --trace "$RESULTS/trace.json" $extra ${PROFILE_EXTRA:-} >"$out" 2>&1
         grep -E "per forward|Self CUDA time total" "$out"
         python3 bench/kernel_timeline.py "$RESULTS/trace.json" --steps 4 >"${out%.txt}-timeline.txt" 2>&1
         python3 bench/kernel_timeline.py "$RESULTS/trace.json" --steps 4 --rows 0 --layer-marker _rms_norm_rope_kernel \

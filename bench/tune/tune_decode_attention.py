@@ -3,7 +3,8 @@
     PYTHONPATH=. python bench/tune/tune_decode_attention.py [--quick] [--json out.json]
 
 Shapes: the first sliding and the first full attention layer of gemma-4-E4B-it and gemma-4-26B-A4B-it (heads,
-KV heads, head_dim and window from srt's presets, i.e. gemma4_variants.json), bf16, batch 1, 8 and 32, one
+KV heads, head_dim and window from srt's presets, i.e. gemma4_variants.json), bf16 queries over bf16 KV or, with
+`--kv-cache-dtype fp8_e4m3`, FP8 KV (random values within e4m3's range, unit scales), batch 1, 8 and 32, one
 decode row per request at the last of 512 or 4096 tokens of context, in pools laid out as the server's are.
 
 For each shape every num_splits x block_n x num_warps x num_stages of the grid (plus the current default:
@@ -102,20 +103,23 @@ def tuned_layers(models: Sequence[str]) -> list[tuple[str, AttentionLayerSpec]]:
     return layers
 
 
-def build_inputs(spec: AttentionLayerSpec, batch_size: int, context: int, device: torch.device) -> DecodeInputs:
-    """Random bf16 KV for `context` tokens of each request in a one-layer pool; one query row per request."""
+def build_inputs(
+    spec: AttentionLayerSpec, batch_size: int, context: int, device: torch.device, kv_dtype: torch.dtype = DTYPE
+) -> DecodeInputs:
+    """Random KV (`kv_dtype`) for `context` tokens of each request in a one-layer pool; one bf16 query row per
+    request."""
     spec = dataclasses.replace(spec, layer_id=0, kv_owner=0)  # the only layer of its pool
     total = batch_size * context
     allocator = SWATokenAllocator(total, total, device)
-    pool = HybridKVPool([spec], allocator, DTYPE, device)
+    pool = HybridKVPool([spec], allocator, kv_dtype, device)
     req_to_token = ReqToTokenPool(batch_size, REQ_TO_TOKEN_COLUMNS, device)
     rows = []
     for _ in range(batch_size):
         rows.append(req_to_token.alloc())
         req_to_token.write(rows[-1], 0, allocator.alloc(context))
     k_buffer, v_buffer = pool.kv_buffers(0)
-    k_buffer.normal_()
-    v_buffer.normal_()
+    for buffer in (k_buffer, v_buffer):  # float8 tensors have no normal_: drawn in bf16, then cast
+        buffer.copy_(torch.randn(buffer.shape, device=device, dtype=DTYPE).to(buffer.dtype))
     visible = min(context, spec.sliding_window or context)
     return DecodeInputs(
         q=torch.randn(batch_size, spec.num_heads, spec.head_dim, device=device, dtype=DTYPE),
@@ -127,7 +131,7 @@ def build_inputs(spec: AttentionLayerSpec, batch_size: int, context: int, device
         row_seq_lens=torch.full((batch_size,), context, dtype=torch.int64, device=device),
         positions=torch.full((batch_size,), context - 1, dtype=torch.int64, device=device),
         window=spec.sliding_window,
-        kv_bytes=batch_size * visible * layer_kv_bytes(spec, DTYPE),
+        kv_bytes=batch_size * visible * layer_kv_bytes(spec, kv_dtype),
     )
 
 
@@ -142,12 +146,13 @@ def grid_candidates(grid: dict[str, tuple[int, ...]]) -> list[Candidate]:
     return [Candidate(s, dk.DecodeConfig(n, w, st)) for s, n, w, st in combos]
 
 
-def _compile_worker(spec: AttentionLayerSpec, candidates: list[Candidate]) -> int:
+def _compile_worker(layer: tuple[AttentionLayerSpec, torch.dtype], candidates: list[Candidate]) -> int:
     """(Worker process) launch each candidate once on a tiny batch, so Triton compiles it into its disk cache.
 
     Returns how many failed; the timing process meets the same failures and records them."""
+    spec, kv_dtype = layer
     device = torch.device("cuda")
-    inputs = build_inputs(spec, batch_size=1, context=16, device=device)
+    inputs = build_inputs(spec, batch_size=1, context=16, device=device, kv_dtype=kv_dtype)
     out = torch.empty_like(inputs.q)
     failed = 0
     for candidate in candidates:
@@ -258,7 +263,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=40, help="Timed calls per config (median).")
     parser.add_argument("--jobs", type=int, default=os.cpu_count(), help="Compile processes (0: compile inline).")
     parser.add_argument("--json", type=Path, help="Results file (default $OUT/tune_decode_attention.json).")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto", help="bf16 (auto) or FP8 KV.")
     args = parser.parse_args()
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else DTYPE
     if not torch.cuda.is_available():
         raise SystemExit("tune_decode_attention needs a CUDA device")
     device = torch.device("cuda")
@@ -276,7 +283,7 @@ def main() -> None:
         per_layer = {spec: set() for _, spec in layers}
         for (_, spec, _), cands in candidates.items():
             per_layer[spec].update(cands)
-        work = [(spec, sorted(cands, key=Candidate.sort_key)) for spec, cands in per_layer.items()]
+        work = [((spec, kv_dtype), sorted(cands, key=Candidate.sort_key)) for spec, cands in per_layer.items()]
         precompile(_compile_worker, work, args.jobs, chunk=6)
 
     torch.manual_seed(0)
@@ -285,7 +292,7 @@ def main() -> None:
     for model, spec, batch_size, context in shapes:
         name = shape_name(model, spec, batch_size, context)
         bar.set_postfix_str(name)
-        inputs = build_inputs(spec, batch_size, context, device)
+        inputs = build_inputs(spec, batch_size, context, device, kv_dtype)
         default = default_candidate(spec, batch_size, sms)
         sweep = sweep_shape(inputs, default, candidates[model, spec, batch_size], args.repeats, bar)
         default_us, best = sweep["default"]["us"], sweep["best"]
@@ -316,6 +323,7 @@ def main() -> None:
             f"({p['worst_slowdown']:.2f}x), default {default} ({p['default_worst_slowdown']:.2f}x)"
         )
     meta = {"device": props.name, "sms": sms, "torch": torch.__version__, "triton": triton.__version__}
+    meta["kv_cache_dtype"] = args.kv_cache_dtype
     meta.update(rel_diff_tol=REL_DIFF_TOL, grid=QUICK_GRID if args.quick else FULL_GRID)
     write_json(args.json, "tune_decode_attention.json", {**meta, "per_batch": picks, "shapes": results})
 

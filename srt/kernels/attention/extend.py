@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from srt.kernels.attention.paged_kv import LOG2E, dot_precision, kv_slots, row_kv_bounds
+from srt.kernels.attention.paged_kv import LOG2E, dot_precision, dot_query, fp8_kv_dot_dtype, kv_slots, row_kv_bounds
 from srt.kernels.kv_quant import is_fp8_kv
 
 
@@ -213,8 +213,8 @@ def _extend_kernel(
     IMAGES: tl.constexpr,
 ):
     tile = tl.program_id(0)
-    # the dtype of the dot products: the cache's, or the query's when the cache holds FP8 (widened on load)
-    kv_dtype = q_ptr.dtype.element_ty if KV_FP8 else k_ptr.dtype.element_ty
+    # the dtype of the dot products: the cache's; with an FP8 cache, float16 (or float32 queries' float32)
+    kv_dtype = fp8_kv_dot_dtype(q_ptr.dtype.element_ty) if KV_FP8 else k_ptr.dtype.element_ty
     kv_head = tl.program_id(1) // HEAD_SPLITS
     first_head = kv_head * GROUP + (tl.program_id(1) % HEAD_SPLITS) * HEADS_PER_PROG
     offs_v = tl.program_id(2) * VALUE_DIM + tl.arange(0, VALUE_DIM)  # the output columns of this program
@@ -235,7 +235,8 @@ def _extend_kernel(
         q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
         mask=m_ok[:, None],
         other=0.0,
-    ).to(kv_dtype)
+    )
+    q = dot_query(q, kv_dtype)
 
     seq_len = tl.load(seq_lens_ptr + req)
     req_to_token_row = req_to_token_ptr + tl.load(req_pool_ptr + req).to(tl.int64) * stride_req

@@ -12,7 +12,16 @@ import dataclasses
 
 import pytest
 import torch
-from test_attention_kernels import DEVICE, GQA, WINDOW, PagedState, compare_backends, make_layers, requires_cuda
+from test_attention_kernels import (
+    BF16_TOL,
+    DEVICE,
+    GQA,
+    WINDOW,
+    PagedState,
+    compare_backends,
+    make_layers,
+    requires_cuda,
+)
 
 from srt.forward.forward_batch import ForwardMode
 from srt.kernels.kv_quant import FP8_KV_DTYPE
@@ -79,6 +88,46 @@ def test_fp8_verify_rows_match_torch_native(
     errors = compare_backends(state, batch)
     assert max(errors) < FP8_FP32_TOL, errors
     state.pool.check_integrity()
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend", "verify"])
+def test_fp8_kv_with_bf16_queries_matches_torch_native(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 queries over FP8 K/V: the kernels multiply in float16 (e4m3 widens to it in one instruction on sm90,
+    `paged_kv.fp8_kv_dot_dtype`), within bf16's tolerance of the float32 reference over the same FP8 values."""
+    monkeypatch.setattr(triton_backend, "VERIFY_KERNEL_MIN_REQUESTS", 1)
+    torch.manual_seed(15)
+    state = fp8_state(2, 1, WINDOW)
+    if mode == "decode":
+        batch = decode_batch(state, [70, 5, 33], WINDOW)
+    else:
+        lengths, counts = [40, 9], [4, 3]
+        rows = [state.add_request(n) for n in lengths]
+        out_loc = torch.cat([state.new_slots(row, n) for row, n in zip(rows, counts, strict=True)])
+        batch = state.batch(ForwardMode.EXTEND, rows, counts, out_loc)
+        batch.verify_rows = max(counts) if mode == "verify" else None
+    errors = compare_backends(state, batch, dtype=torch.bfloat16)
+    assert max(errors) < BF16_TOL, errors
+    state.pool.check_integrity()
+
+
+def test_fp8_kv_saturates_queries_beyond_float16() -> None:
+    """A bf16 query element beyond float16's range (1e6) saturates at 65504 in the float16 operand instead of
+    turning the scores into inf - inf = NaN: the output stays finite and close to the reference, whose softmax
+    is as peaked (one key dominates either way)."""
+    torch.manual_seed(16)
+    state = fp8_state(2, 1, WINDOW)
+    batch = decode_batch(state, [20, 9], WINDOW)
+    reference, kernels = create_attention_backend("torch_native"), create_attention_backend("triton")
+    ref_batch, kernel_batch = dataclasses.replace(batch), dataclasses.replace(batch)
+    reference.init_forward_metadata(ref_batch)
+    kernels.init_forward_metadata(kernel_batch)
+    spec = state.layers[1]
+    q = torch.randn(batch.num_tokens, spec.num_heads, spec.head_dim, device=DEVICE, dtype=torch.bfloat16) / 8
+    q[:, :, 0] = 1e6
+    got = kernels.forward(q, spec, kernel_batch)
+    assert torch.isfinite(got).all()
+    expected = reference.forward(q.float(), spec, ref_batch)
+    assert float((got.float() - expected).abs().max()) < BF16_TOL * float(expected.abs().max())
 
 
 def test_fp8_kv_error_against_unquantized_kv_is_bounded() -> None:
