@@ -1,10 +1,10 @@
 """Time the MoE slot-layout kernel (`kernels/moe/align.py`) per slot chunk, at 26B-A4B's decode sizes.
 
-    PYTHONPATH=. python bench/tune/tune_moe_align.py [--tokens 1 4 16 32] [--chunks 16 32 64 128] [--warps 4]
+    PYTHONPATH=. python bench/tune/tune_moe_align.py [--tokens 1 4 16 32] [--chunks 16 32 64 128 256] [--warps 4]
 
 For each token count (8 of 128 experts each, 16-row blocks) and chunk, the kernel alone, 50 launches captured in a
-CUDA graph and replayed once: us per launch. The kernel is one program, so its time is the chain of its tiles'
-reductions; srt sizes the chunk to the slot count (`align.chunk_for`).
+CUDA graph and replayed once: us per launch. The kernel runs one program per expert, each counting every slot;
+srt sizes the chunk to the slot count (`align.chunk_for`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ def time_us(tokens: int, chunk: int, warps: int) -> float:
     ids = torch.stack([torch.randperm(EXPERTS)[:TOP_K] for _ in range(tokens)]).cuda().int().reshape(-1)
     slots = ids.numel()
     max_blocks = align.max_blocks_for(slots, EXPERTS, BLOCK_M)
-    slot_of_row = torch.full((max_blocks * BLOCK_M,), slots, dtype=torch.int32, device="cuda")
+    slot_of_row = torch.empty(max_blocks * BLOCK_M, dtype=torch.int32, device="cuda")
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device="cuda")
     num_rows = torch.empty(1, dtype=torch.int64, device="cuda")
 
     def launch() -> None:
-        align._align_kernel[(1,)](
+        align._align_kernel[(EXPERTS,)](
             ids, slot_of_row, block_expert, num_rows, slots, max_blocks, NUM_EXPERTS=EXPERTS,
             EXPERTS_POW2=EXPERTS, BLOCK_M=BLOCK_M, CHUNK=chunk, num_warps=warps,
         )  # fmt: skip
@@ -51,7 +51,7 @@ def time_us(tokens: int, chunk: int, warps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 32])
-    parser.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64, 128])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     parser.add_argument("--warps", type=int, default=4)
     args = parser.parse_args()
     for tokens in args.tokens:

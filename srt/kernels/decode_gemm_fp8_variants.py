@@ -40,7 +40,7 @@ from srt.kernels.decode_gemm import GATED, GemmTiles
 from srt.kernels.decode_gemm_fp8 import chained_fp8_possible, decode_fp8_tiles, tma_operands
 from srt.kernels.fp8_quant import FP8_MAX, MIN_ABSMAX, quantize_tile_rows
 from srt.kernels.gelu_mul import gelu_tanh_mul_rounded
-from srt.kernels.triton_support import dot_options, jit, pdl_launch, pdl_start, round_to, tl
+from srt.kernels.triton_support import dot_options, jit, pdl_launch, pdl_start, round_to, ticket_counters, tl
 
 
 class Variant(NamedTuple):
@@ -85,12 +85,14 @@ def decode_gelu_mlp_fp8_variant(
     block_k: int,
     variant: str,
     tiles: GemmTiles | None = None,
+    splits: int = 1,
 ) -> torch.Tensor:
-    """`decode_gelu_mlp_fp8` (same arguments and output) computed as `VARIANTS[variant]`."""
+    """`decode_gelu_mlp_fp8` (same arguments and output) computed as `VARIANTS[variant]`. `splits` > 1: K-chunks
+    whose float32 gate and up partials the last chunk of each column block sums (in chunk order) before the gelu."""
     rows, n = x.shape[0], weight.shape[0] // 2
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     tiles = tiles or decode_fp8_tiles(GATED, n, x.shape[1], block_k)
-    _launch(x, weight, scale, block_k, out, 1, n, tiles, VARIANTS[variant], gated=True)
+    _launch(x, weight, scale, block_k, out, splits, n, tiles, VARIANTS[variant], gated=True)
     return out
 
 
@@ -99,23 +101,26 @@ def decode_gelu_mlp_fp8_variant(
 # that are no multiple of 128 (31B: 5376 / 4 = 1344) take 64-wide K-steps (31B qkv's fastest)
 WIDE_TILES = GemmTiles(128, 128, 3, 8)
 NARROW_K_TILES = GemmTiles(256, 64, 6, 4)
+# K-chunks of a few 64-column steps, for K whose quarters hold no whole steps (26B-A4B's dense down, K 2112 = 33 x
+# 64): bench/tune/tune_w8a8_chunks.py, H100, 32 rows, chained: 11 chunks 6.8 us, 3 chunks of 256 x 64 tiles 10.4
+STEP_CHUNK_TILES = GemmTiles(128, 64, 4, 4)
 W8A8_TILES = {
     8: (WIDE_TILES,),
     4: (WIDE_TILES, NARROW_K_TILES),
-    3: (NARROW_K_TILES,),
     2: (WIDE_TILES,),
     GATED: (GemmTiles(64, 128, 3, 4),),
 }
 # fewer programs than this at 4 K-splits leave the H100's 132 SMs short of a full wave: 8 splits then
 FULL_WAVE_PROGRAMS = 96
+MAX_STEP_CHUNKS = 16
 
 
 def w8a8_splits(n: int, k: int, block_k: int) -> int:
     """The K-chunks of srt's W8A8 GEMM for an [n, k] weight (the same sweep): 4; 8 where 4 would run fewer than
     FULL_WAVE_PROGRAMS programs of the wide tiles (E4B down 16.5 -> 12.8 us, E4B and 26B-A4B o); 2 where the wide
     tiles' 128-column K-steps fit halves of K but not quarters (31B qkv 38.3 -> 36.7 us, 26B-A4B qkv 12.5 -> 11.8);
-    3 where no tiles fit quarters but thirds fit 64-column K-steps (26B-A4B's dense down, K 2112: 9.4 us, where
-    its FP8 prefill GEMM took 13)."""
+    where no tiles fit quarters, the fewest chunks of whole 64-column steps that fill a wave of STEP_CHUNK_TILES
+    programs (26B-A4B's dense down, K 2112: 11 chunks of 3 steps)."""
 
     def wide_tiles_fit(splits: int) -> bool:
         return w8a8_tiles(splits, n, k, block_k) == WIDE_TILES
@@ -124,16 +129,22 @@ def w8a8_splits(n: int, k: int, block_k: int) -> int:
         return 8
     if not wide_tiles_fit(4) and wide_tiles_fit(2):
         return 2
-    if w8a8_tiles(4, n, k, block_k) is None and w8a8_tiles(3, n, k, block_k) is not None:
-        return 3
+    if w8a8_tiles(4, n, k, block_k) is None:
+        for chunks in range(3, MAX_STEP_CHUNKS + 1):
+            fits = w8a8_tiles(chunks, n, k, block_k) is not None and n // STEP_CHUNK_TILES.block_n * chunks
+            if fits and fits >= FULL_WAVE_PROGRAMS:
+                return chunks
     return 4
 
 
 def w8a8_tiles(splits: int | str, n: int, k: int, block_k: int) -> GemmTiles | None:
-    """srt's W8A8 tiles for `splits` (8, 4, 3, 2 or GATED), width n (each half for GATED) and K; None where none
-    fit (the K-chunks and the scale blocks must be multiples of BLOCK_K, n of BLOCK_N)."""
+    """srt's W8A8 tiles for `splits` (8, 4, 2, GATED, or other counts of 64-column-step chunks), width n (each half
+    for GATED) and K; None where none fit (the K-chunks and the scale blocks must be multiples of BLOCK_K, n of
+    BLOCK_N)."""
+    if splits != GATED and k % splits:
+        return None
     chunk = k if splits == GATED else k // splits
-    for tiles in W8A8_TILES.get(splits, ()):
+    for tiles in W8A8_TILES.get(splits, (STEP_CHUNK_TILES,)):
         if chunk % tiles.block_k == 0 and block_k % tiles.block_k == 0 and n % tiles.block_n == 0:
             return tiles
     return None
@@ -156,9 +167,29 @@ def decode_linear_w8a8(
 
 
 def decode_gelu_mlp_w8a8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int) -> torch.Tensor:
-    """`decode_gelu_mlp_fp8` as W8A8 (`decode_linear_w8a8`)."""
-    tiles = w8a8_tiles(GATED, weight.shape[0] // 2, x.shape[1], block_k)
-    return decode_gelu_mlp_fp8_variant(x, weight, scale, block_k, "w8a8", tiles)
+    """`decode_gelu_mlp_fp8` as W8A8 (`decode_linear_w8a8`), in `w8a8_gated_plan`'s tiles and K-chunks."""
+    tiles, splits = w8a8_gated_plan(weight.shape[0] // 2, x.shape[1], block_k)
+    return decode_gelu_mlp_fp8_variant(x, weight, scale, block_k, "w8a8", tiles, splits)
+
+
+# narrower K-steps for gated GEMMs whose K has no 128-column chunks to spread over the SMs (26B-A4B's dense gate_up)
+GATED_NARROW_K_TILES = GemmTiles(64, 64, 6, 4)
+
+
+def w8a8_gated_plan(n: int, k: int, block_k: int) -> tuple[GemmTiles, int]:
+    """Tiles and K-chunks of srt's gated W8A8 GEMM for halves of width n: one chunk where the column blocks fill a
+    wave (FULL_WAVE_PROGRAMS), else the fewest chunks of whole K-steps (128 columns, else 64) that do (26B-A4B's
+    dense MLP: 33 column blocks of 2112, K 2816 = 4 chunks of 11 64-column steps)."""
+    whole = w8a8_tiles(GATED, n, k, block_k)
+    if whole is None or n // whole.block_n >= FULL_WAVE_PROGRAMS:
+        return whole, 1
+    for tiles in (whole, GATED_NARROW_K_TILES):
+        for chunks in range(2, 9):
+            if k % (chunks * tiles.block_k) or block_k % tiles.block_k:
+                continue
+            if n // tiles.block_n * chunks >= FULL_WAVE_PROGRAMS:
+                return tiles, chunks
+    return whole, 1
 
 
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8e4nv"}
@@ -173,11 +204,16 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k:
     block_m, x_desc, w_desc = tma_operands(x, weight, tiles)
     launch = pdl_launch(x.device, _decode_gemm_fp8_variant_kernel)
     precision, interpreted = dot_options(_decode_gemm_fp8_variant_kernel, x.dtype)
+    gated_splits = splits if gated else 1
+    partials, tickets = out, out  # placeholders unless a gated GEMM runs K-chunks
+    if gated_splits > 1:
+        partials = torch.empty((splits, 2, rows, n), dtype=torch.float32, device=x.device)
+        tickets = ticket_counters("fp8_gated_gemm", x.device, n // tiles.block_n)
     _decode_gemm_fp8_variant_kernel[(n // tiles.block_n, splits)](
-        x_desc, w_desc, scale, out, rows, n, k // splits, n if gated else 0, scale.shape[1],
+        x_desc, w_desc, scale, out, partials, tickets, rows, n, k // splits, n if gated else 0, scale.shape[1],
         # per-channel scales: SCALE_K unused, 1 rather than K so that one compiled kernel serves every K
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SCALE_K=block_k if block_k < k else 1,
-        PER_CHANNEL=block_k >= k, STAGES=tiles.stages, GATED=gated, USE_PDL=bool(launch),
+        PER_CHANNEL=block_k >= k, STAGES=tiles.stages, GATED=gated, GATED_SPLITS=gated_splits, USE_PDL=bool(launch),
         OPERAND=getattr(tl, _TL_DTYPES[variant.operands]), SWAP=variant.swap, INTERPRETED=interpreted,
         PRECISION=precision, FP8_MAX=FP8_MAX, MIN_ABSMAX=MIN_ABSMAX, num_warps=tiles.warps, **launch,
     )  # fmt: skip
@@ -185,14 +221,17 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k:
 
 @jit
 def _decode_gemm_fp8_variant_kernel(
-    x_desc, w_desc, scale_ptr, out_ptr, rows, n, k_per_split, up_offset, scale_cols,
+    x_desc, w_desc, scale_ptr, out_ptr, partials_ptr, tickets_ptr, rows, n, k_per_split, up_offset, scale_cols,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr,
-    PER_CHANNEL: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr,
+    PER_CHANNEL: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr, GATED_SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
     OPERAND: tl.constexpr, SWAP: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
     FP8_MAX: tl.constexpr, MIN_ABSMAX: tl.constexpr,
 ):  # fmt: skip
     """`_decode_gemm_fp8_kernel`'s product with OPERAND operands; with SWAP the accumulators are [BLOCK_N, BLOCK_M]
-    (out^T). INTERPRETED: float32 operands (Triton's interpreter, `triton_support.dot_options`)."""
+    (out^T). INTERPRETED: float32 operands (Triton's interpreter, `triton_support.dot_options`). GATED_SPLITS > 1:
+    a gated GEMM over K-chunks; each chunk stores its float32 gate and up sums to partials [chunks, 2, rows, n],
+    and the chunk that draws a column block's last ticket sums them in chunk order and applies the gelu."""
     n0 = tl.program_id(0) * BLOCK_N
     split = tl.program_id(1)
     k_start = split * k_per_split
@@ -221,11 +260,30 @@ def _decode_gemm_fp8_variant_kernel(
         if GATED:
             acc_up = acc_up * _per_column(tl.load(scale_ptr + up_offset + offs_n), SWAP)
     offs_m = tl.arange(0, BLOCK_M)
-    out = out_ptr + _per_row((split * rows + offs_m) * n, SWAP) + _per_column(offs_n, SWAP)
+    row_ok = _per_row(offs_m < rows, SWAP)
     out_dtype = out_ptr.dtype.element_ty
-    if GATED:  # the GEMM's two rounded outputs, then gelu_tanh_mul's rounding
-        acc = gelu_tanh_mul_rounded(round_to(acc, out_dtype), round_to(acc_up, out_dtype), out_dtype)
-    tl.store(out, acc.to(out_dtype), mask=_per_row(offs_m < rows, SWAP))
+    if not GATED:
+        out = out_ptr + _per_row((split * rows + offs_m) * n, SWAP) + _per_column(offs_n, SWAP)
+        tl.store(out, acc.to(out_dtype), mask=row_ok)
+    else:
+        tile = _per_row(offs_m * n, SWAP) + _per_column(offs_n, SWAP)
+        last = True
+        if GATED_SPLITS > 1:
+            tl.store(partials_ptr + split * 2 * rows * n + tile, acc, mask=row_ok)
+            tl.store(partials_ptr + (split * 2 + 1) * rows * n + tile, acc_up, mask=row_ok)
+            tl.debug_barrier()  # every thread's partials are stored before the ticket is taken (release, gpu scope)
+            ticket = tickets_ptr + tl.program_id(0)
+            last = tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == GATED_SPLITS - 1
+            if last:
+                acc, acc_up = tl.zeros_like(acc), tl.zeros_like(acc_up)
+                for chunk in tl.static_range(GATED_SPLITS):
+                    gate_part = partials_ptr + chunk * 2 * rows * n + tile
+                    acc += tl.load(gate_part, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    acc_up += tl.load(gate_part + rows * n, mask=row_ok, other=0.0, cache_modifier=".cg")
+                tl.atomic_xchg(ticket, 0)  # ready for the next call (CUDA-graph replays reuse the tickets)
+        if last:  # the GEMM's two rounded outputs, then gelu_tanh_mul's rounding
+            acc = gelu_tanh_mul_rounded(round_to(acc, out_dtype), round_to(acc_up, out_dtype), out_dtype)
+            tl.store(out_ptr + tile, acc.to(out_dtype), mask=row_ok)
 
 
 @jit

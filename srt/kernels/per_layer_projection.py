@@ -15,9 +15,9 @@ gelu, and a [ple_dim -> hidden] GEMV (E4B: 2560 -> 256 -> 2560). At decode (1..3
               the one-row kernel instead sums the partials and applies the gelu in its prologue
 
 The sums run in a fixed order, so results are deterministic; the ticket counters live in a buffer allocated
-once (`_tickets`) and each call leaves them at zero, so CUDA-graph replays reuse them. Before the tickets, the
-project kernel's prologue read SPLIT_K float32 partials per CTA (80 KB at 32 rows) in a rolled loop: 5.3 us
-of a 32-row block's 8.0 on the H100.
+once (`triton_support.ticket_counters`) and each call leaves them at zero, so CUDA-graph replays reuse them.
+Before the tickets, the project kernel's prologue read SPLIT_K float32 partials per CTA (80 KB at 32 rows) in a
+rolled loop: 5.3 us of a 32-row block's 8.0 on the H100.
 
 On Hopper both are chained (programmatic dependent launch, `triton_support.pdl_start`): the gate kernel
 starts while the residual add before it runs and loads its first weight block before it waits for the hidden
@@ -55,6 +55,7 @@ from srt.kernels.triton_support import (
     pdl_start,
     round_to,
     runs_triton,
+    ticket_counters,
     tl,
     triton,
 )
@@ -291,7 +292,8 @@ def per_layer_input_projection(
     row_blocks = triton.cdiv(rows, block_t)
     gated = torch.empty((rows, ple_dim), dtype=hidden.dtype, device=hidden.device)
     _tile_gate_kernel[(p_blocks, splits, row_blocks)](
-        hidden, gate_weight, partials, per_layer_input, gated, _tickets(hidden.device, p_blocks * row_blocks),
+        hidden, gate_weight, partials, per_layer_input, gated,
+        ticket_counters("ple_gate", hidden.device, p_blocks * row_blocks),
         rows, hidden_size, ple_dim, hidden.stride(0), gate_weight.stride(0), per_layer_input.stride(0),
         K_PER_SPLIT=k_per_split, SPLIT_K=splits, BLOCK_T=block_t, BLOCK_P=tiles.gate_block_p,
         BLOCK_K=tiles.gate_block_k, PRECISION=precision, UPCAST=upcast, USE_PDL=pdl, num_warps=4, **launch_pdl,
@@ -302,21 +304,3 @@ def per_layer_input_projection(
         PRECISION=precision, UPCAST=upcast, USE_PDL=pdl, num_warps=4, **launch_pdl,
     )  # fmt: skip
     return out
-
-
-# per (device, count): zeros between calls (each call resets its own)
-_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _tickets(device: torch.device, count: int) -> torch.Tensor:
-    """The gate kernel's per-block counters of finished K-chunks. One buffer per count, allocated once and never
-    freed or replaced: a CUDA graph that captured it keeps pointing at live memory."""
-    tickets = _TICKETS.get((device, count))
-    if tickets is None:
-        tickets = _TICKETS[device, count] = torch.zeros(count, dtype=torch.int32, device=device)
-    return tickets
-
-
-def pending_tickets() -> int:
-    """Gate tickets left non-zero by the calls so far (0 unless a call failed to reset its counters)."""
-    return sum(int(tickets.count_nonzero()) for tickets in _TICKETS.values())

@@ -10,6 +10,8 @@
   `round_to_e4m3`: the same for float8_e4m3fn (FP8 KV caches).
 - `has_pdl`, `gdc_wait`, `gdc_launch_dependents`: programmatic dependent launch (Hopper, newer Triton);
   `pdl_launch` and `pdl_start`: the launch option and the in-kernel prologue of a chained kernel.
+- `ticket_counters`, `pending_tickets`: zeroed int32 counters for split-K kernels whose last program of a block
+  (the one that draws the last ticket) finishes the block; every call leaves them at zero again.
 """
 
 from __future__ import annotations
@@ -72,6 +74,24 @@ def runs_triton(device: torch.device, use_triton: bool | None, kernel: object) -
 def last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     """`x` itself when its last dim is contiguous (the kernels take any row strides), else a contiguous copy."""
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+_TICKETS: dict[tuple[str, torch.device, int], torch.Tensor] = {}
+
+
+def ticket_counters(kernel: str, device: torch.device, count: int) -> torch.Tensor:
+    """`count` zeroed int32 counters for `kernel`'s blocks on `device`. One buffer per (kernel, device, count),
+    allocated once and never freed or replaced (a CUDA graph that captured it keeps pointing at live memory);
+    the calls that share it run one after the other (a chained kernel draws tickets only after its wait)."""
+    tickets = _TICKETS.get((kernel, device, count))
+    if tickets is None:
+        tickets = _TICKETS[kernel, device, count] = torch.zeros(count, dtype=torch.int32, device=device)
+    return tickets
+
+
+def pending_tickets(kernel: str | None = None) -> int:
+    """Counters of `kernel` (None: every kernel) left non-zero by the calls so far: 0 unless a call failed."""
+    return sum(int(t.count_nonzero()) for (name, _, _), t in _TICKETS.items() if kernel in (None, name))
 
 
 @functools.cache

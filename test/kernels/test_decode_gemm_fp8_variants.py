@@ -18,11 +18,12 @@ from srt.kernels.decode_gemm_fp8_variants import (
     decode_gelu_mlp_fp8_variant,
     decode_linear_fp8_variant,
     decode_w8a8_applies,
+    w8a8_gated_plan,
     w8a8_splits,
     w8a8_tiles,
 )
 from srt.kernels.gelu_mul import gelu_tanh_mul_packed
-from srt.kernels.triton_support import kernel_runs_on
+from srt.kernels.triton_support import kernel_runs_on, pending_tickets
 from srt.layers.fp8_linear import Fp8Linear
 
 SMALL_TILES = GemmTiles(64, 64, 2)  # 64 rows: the swapped variants' smallest BLOCK_N (wgmma's M)
@@ -98,6 +99,26 @@ def test_w8a8_matches_the_reference_with_activations_quantized_per_row_and_k_ste
 
 
 @pytest.mark.usefixtures("interpreter")
+@pytest.mark.parametrize("strategy", ["channel", "block"])
+@pytest.mark.parametrize("variant", ["w8a8", "fp16"])
+def test_gated_gemm_in_k_chunks_equals_one_chunk(variant: str, strategy: str) -> None:
+    """A gated GEMM over 2, 4 and 8 K-chunks (two column blocks; each block's last chunk sums the float32 partials
+    and applies the gelu): the one-chunk kernel's values but for float32 summation order (the bf16 outputs at
+    most a rounding step apart), within the reference's bound, and every ticket back at zero."""
+    layer = fp8_layer(256, 512, strategy, seed=256 + 512)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2)).bfloat16()
+    reference_x = quantized_activations(x, SMALL_TILES.block_k) if variant == "w8a8" else x
+    args = (x, layer.weight, layer.weight_scale, layer.block_k, variant)
+    whole = decode_gelu_mlp_fp8_variant(*args, tiles=SMALL_TILES)
+    for chunks in (2, 4, 8):
+        out = decode_gelu_mlp_fp8_variant(*args, tiles=SMALL_TILES, splits=chunks)
+        assert out.shape == whole.shape and out.dtype == whole.dtype
+        assert relative_error(out, whole) < 1e-2, chunks
+        assert error(out, reference_x, layer, GATED) < BOUNDS[GATED], chunks
+    assert pending_tickets("fp8_gated_gemm") == 0
+
+
+@pytest.mark.usefixtures("interpreter")
 def test_w8a8_zero_rows_give_zeros() -> None:
     """A zero row (like the tile's padding rows) quantizes with a tiny scale, not 0 / 0. (The interpreter's fp8
     cast turns NaN into 0, so a 0 / 0 shows only on the GPU: `test_variants_at_e4b_shapes` has a zero row.)"""
@@ -162,16 +183,29 @@ def test_srt_takes_w8a8_tiles_that_fit_each_shape() -> None:
 
 def test_srt_splits_k_to_fill_the_gpu_with_wide_tiles() -> None:
     """8 K-chunks where 4 would run under a wave of 128-column programs, if 128-wide K-steps fit (E4B q: no);
-    2 where those fit halves of K but not quarters; 3 where only thirds fit 64-wide K-steps; else 4."""
+    2 where those fit halves of K but not quarters; where no tiles fit quarters, the fewest chunks of whole
+    64-wide K-steps that fill a wave; else 4."""
     assert w8a8_splits(2560, 10240, 10240) == 8  # E4B down: 80 programs at 4 chunks
     assert w8a8_splits(2816, 4096, 128) == 8  # 26B-A4B o, 128 x 128 block scales
     assert w8a8_splits(2048, 2560, 2560) == 4  # E4B q: 2560 / 8 = 320 columns per chunk
     assert w8a8_splits(3072, 2560, 2560) == 4  # E4B qkv: 96 programs
     assert w8a8_splits(16384, 5376, 5376) == 2  # 31B qkv: 1344 / 128 is no whole number
     assert w8a8_splits(5376, 21504, 5376) == 4  # 31B down
-    assert w8a8_splits(2816, 2112, 2112) == 3  # 26B-A4B's dense down: chunks of 704 = 11 x 64
-    assert w8a8_tiles(3, 2816, 2112, 2112) == GemmTiles(256, 64, 6, 4)
-    assert w8a8_splits(2816, 2112, 128) == 3  # and with 128 x 128 block scales: 64-wide steps in 128-wide blocks
+    # 26B-A4B's dense down, K 2112 = 33 x 64: 3 chunks run 66 programs of 128 columns, 11 chunks 242
+    assert w8a8_splits(2816, 2112, 2112) == 11
+    assert w8a8_tiles(11, 2816, 2112, 2112) == GemmTiles(128, 64, 4, 4)
+    assert w8a8_splits(2816, 2112, 128) == 11  # and with 128 x 128 block scales: 64-wide steps in 128-wide blocks
+    assert w8a8_tiles(5, 2816, 2112, 2112) is None  # 2112 / 5 is no whole number of columns
+
+
+def test_srt_splits_narrow_gated_gemms_in_k_chunks() -> None:
+    """One chunk where the 64-column blocks fill a wave (E4B, 31B gate_up); else the fewest chunks of whole
+    K-steps, 128 columns wide, else 64, that do (26B-A4B's dense gate_up: 33 blocks, K 2816 = 44 x 64)."""
+    assert w8a8_gated_plan(10240, 2560, 2560) == (GemmTiles(64, 128, 3, 4), 1)
+    assert w8a8_gated_plan(21504, 5376, 5376) == (GemmTiles(64, 128, 3, 4), 1)
+    assert w8a8_gated_plan(2112, 2816, 2816) == (GemmTiles(64, 64, 6, 4), 4)
+    assert w8a8_gated_plan(2112, 2816, 128) == (GemmTiles(64, 64, 6, 4), 4)
+    assert w8a8_gated_plan(2048, 4096, 4096) == (GemmTiles(64, 128, 3, 4), 4)  # 32 blocks, 32 steps of 128
 
 
 # through the layers: E4B qkv (sliding), gate_up, down (8 chunks); 31B qkv (full, 2 chunks), gate_up; 26B-A4B gate_up
@@ -182,7 +216,7 @@ LAYER_SHAPES = [
     (18432, 5376, 4),
     (43008, 5376, GATED),
     (4224, 2816, GATED),
-    (2816, 2112, 4),  # 26B-A4B's dense down: 3 chunks
+    (2816, 2112, 4),  # 26B-A4B's dense down: 11 chunks
 ]
 
 
@@ -204,6 +238,9 @@ def test_fp8_projections_decode_as_w8a8(strategy: str, rows: int) -> None:
             pytest.skip("needs TMA (Hopper) and Triton's tensor descriptors")
         out = gelu_mlp(x, layer) if splits == GATED else project(x, layer)
         assert out.shape[0] == splits or splits == GATED, (n, k, out.shape)
-        tiles = w8a8_tiles(splits, n // 2 if splits == GATED else n, k, layer.block_k)
+        if splits == GATED:
+            tiles = w8a8_gated_plan(n // 2, k, layer.block_k)[0]
+        else:
+            tiles = w8a8_tiles(splits, n, k, layer.block_k)
         bound = 1e-2 if splits == GATED else 1e-3
         assert error(out, quantized_activations(x, tiles.block_k), layer, splits) < bound, (n, k, splits)

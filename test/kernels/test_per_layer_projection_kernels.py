@@ -19,10 +19,10 @@ from srt.kernels.gelu_mul import gelu_tanh_mul, gelu_tanh_mul_reference
 from srt.kernels.per_layer_projection import (
     MAX_ROWS,
     ProjectionTiles,
-    pending_tickets,
     per_layer_input_projection,
     per_layer_input_projection_reference,
 )
+from srt.kernels.triton_support import pending_tickets
 
 LAYERS = 3  # per_layer_input is a slice of a [rows, layers, ple_dim] tensor, as in the model
 
@@ -98,7 +98,7 @@ def test_calls_in_a_row_reset_the_gate_tickets() -> None:
     results = [per_layer_input_projection(*b.args(), use_triton=True) for b in (first, second, first)]
     assert torch.equal(results[0], results[2])
     assert_matches_reference(results[1], second)
-    assert pending_tickets() == 0
+    assert pending_tickets("ple_gate") == 0
 
 
 def test_forced_above_max_rows() -> None:

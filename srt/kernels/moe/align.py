@@ -2,15 +2,20 @@
 
 In torch, sorting and padding the slots takes ~20 small kernels (sort, scatter_add, cumsums, searchsorted,
 index, ...). At decode there are top_k * rows <= a few hundred slots, each of those kernels is a ~2 us launch
-and a 26B-A4B step runs 30 MoE layers. This kernel is one program that computes the same layout:
+and a 26B-A4B step runs 30 MoE layers. This kernel computes the same layout in one launch of one program per
+expert; every program counts all slots (the run starts need every expert's count) and then lays out its own run:
 
-    counts[e]        slots routed to expert e                          (one-hot sums over chunks of slots)
-    padded[e]        counts[e] rounded up to BLOCK_M; starts/ends by cumsum
-    block_expert[b]  experts whose padded run ends at or before row b * BLOCK_M, clamped to E - 1
-    row of slot s    starts[e] + (earlier slots of expert e), so runs keep slot order (a stable sort)
+    counts[e]        slots routed to expert e (a histogram of the ids)
+    padded[e]        counts[e] rounded up to BLOCK_M; run e spans rows [start[e], start[e] + padded[e])
+    row of slot s    start[e] + (earlier slots of expert e), so runs keep slot order (a stable sort); the
+                     run's padding rows get the sentinel num_slots
+    block_expert[b]  e for the blocks of run e; E - 1 for the blocks past the last run (the last program, which
+                     also fills the rows past it with the sentinel and stores the row total)
 
-`slot_of_row` must arrive filled with the sentinel `num_slots` (rows the kernel writes are exactly the used
-ones). Work grows with slots x experts, so `fused_experts` uses it only up to `ALIGN_MAX_SLOTS`.
+So every row and block is written by exactly one program, and the outputs need no fill beforehand. The
+one-program form before it chained ~10 reductions over [slots x experts] tiles: 17-20 us at 256 slots
+(26B-A4B decode at batch 32, top 8) on an H100, 4% of the step. Work per program grows with the slots, so
+`fused_experts` uses it only up to `ALIGN_MAX_SLOTS`.
 """
 
 from __future__ import annotations
@@ -20,11 +25,8 @@ import torch
 from srt.kernels.triton_support import jit, tl, triton
 
 ALIGN_MAX_SLOTS = 2048
-# slots compared with each other (and with every expert) at once: the slot count's power of two, 16 to 128. The
-# kernel is one program whose time is the chain of its tiles' reductions: on an H100 (bench/tune/tune_moe_align.py)
-# 8 slots took 9.0 us with 128-slot chunks and 2.5 with 16, 32 slots 9.0 and 3.4; 256 slots 17 us with 128 or 64,
-# 113 with 256 (spilled)
-MIN_CHUNK, MAX_CHUNK = 16, 128
+# slots loaded at once: the slot count's power of two, 16 to 512
+MIN_CHUNK, MAX_CHUNK = 16, 512
 
 
 def chunk_for(num_slots: int) -> int:
@@ -50,36 +52,43 @@ def _align_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
+    expert = tl.program_id(0)
     experts = tl.arange(0, EXPERTS_POW2)
     offs = tl.arange(0, CHUNK)
     counts = tl.zeros([EXPERTS_POW2], dtype=tl.int32)
-    for start in range(0, num_slots, CHUNK):
-        ids = tl.load(ids_ptr + start + offs, mask=start + offs < num_slots, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    for first in range(0, num_slots, CHUNK):
+        ok = first + offs < num_slots
+        counts += tl.histogram(tl.load(ids_ptr + first + offs, mask=ok, other=0), EXPERTS_POW2, mask=ok)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    tl.store(num_rows_ptr, tl.sum(padded, axis=0).to(tl.int64))
+    mine = experts == expert
+    start = tl.sum(tl.where(mine, ends - padded, 0), axis=0)
+    count = tl.sum(tl.where(mine, counts, 0), axis=0)
+    end = start + (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
 
-    # what searchsorted(ends, block_start, right=True) gives; the padding experts past NUM_EXPERTS have
-    # empty runs ending at the total, so they only count for blocks past it, which the clamp maps to E - 1
-    for block0 in range(0, max_blocks, CHUNK):
+    placed = 0  # this expert's slots in earlier chunks
+    for first in range(0, num_slots, CHUNK):
+        slots = first + offs
+        ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1)
+        ours = ids == expert
+        rank = placed + tl.cumsum(ours.to(tl.int32), axis=0) - 1
+        tl.store(slot_of_row_ptr + start + rank, slots.to(tl.int32), mask=ours)
+        placed += tl.sum(ours.to(tl.int32), axis=0)
+    padding = count + tl.arange(0, BLOCK_M)  # a run has fewer than BLOCK_M padding rows
+    tl.store(slot_of_row_ptr + start + padding, num_slots, mask=start + padding < end)
+    for block0 in range(start // BLOCK_M, end // BLOCK_M, CHUNK):
         blocks = block0 + offs
-        first_rows = blocks * BLOCK_M
-        expert = tl.sum((ends[None, :] <= first_rows[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blocks, tl.minimum(expert, NUM_EXPERTS - 1), mask=blocks < max_blocks)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < end // BLOCK_M)
 
-    seen = tl.zeros([EXPERTS_POW2], dtype=tl.int32)  # slots of each expert placed by earlier chunks
-    for start in range(0, num_slots, CHUNK):
-        slots = start + offs
-        ok = slots < num_slots
-        ids = tl.load(ids_ptr + slots, mask=ok, other=-1)
-        one_hot = (ids[:, None] == experts[None, :]).to(tl.int32)
-        base = tl.sum(one_hot * (starts + seen)[None, :], axis=1)
-        earlier_same = (ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None])
-        rank = tl.sum(earlier_same.to(tl.int32), axis=1)
-        tl.store(slot_of_row_ptr + base + rank, slots.to(tl.int32), mask=ok)
-        seen += tl.sum(one_hot, axis=0)
+    if expert == NUM_EXPERTS - 1:  # past the last run: blocks of expert E - 1 (searchsorted's clamp), no slots
+        total = tl.sum(padded, axis=0)
+        tl.store(num_rows_ptr, total.to(tl.int64))
+        for row0 in range(total, max_blocks * BLOCK_M, CHUNK):
+            rows = row0 + offs
+            tl.store(slot_of_row_ptr + rows, num_slots, mask=rows < max_blocks * BLOCK_M)
+        for block0 in range(total // BLOCK_M, max_blocks, CHUNK):
+            blocks = block0 + offs
+            tl.store(block_expert_ptr + blocks, NUM_EXPERTS - 1, mask=blocks < max_blocks)
 
 
 def align_slots(
@@ -91,12 +100,14 @@ def align_slots(
     num_slots = flat.numel()
     if num_slots > ALIGN_MAX_SLOTS:
         raise ValueError(f"align_slots handles up to {ALIGN_MAX_SLOTS} slots, got {num_slots}")
+    if block_m & (block_m - 1):
+        raise ValueError(f"align_slots needs a power-of-two block_m, got {block_m}")
     max_blocks = max_blocks_for(num_slots, num_experts, block_m)
     device = flat.device
-    slot_of_row = torch.full((max_blocks * block_m,), num_slots, dtype=torch.int32, device=device)
+    slot_of_row = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
     num_rows = torch.empty(1, dtype=torch.int64, device=device)
-    _align_kernel[(1,)](
+    _align_kernel[(num_experts,)](
         flat.to(torch.int32),
         slot_of_row,
         block_expert,

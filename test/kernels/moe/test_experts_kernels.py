@@ -84,12 +84,13 @@ def test_pad_to_blocks_layout() -> None:
 @pytest.mark.parametrize(
     "tokens,top_k,num_experts,block_m,skew",
     [(4, 2, 5, 2, False), (1, 8, 128, 16, False), (3, 8, 128, 16, True), (5, 8, 128, 4, False),
-     (32, 8, 128, 16, False), (37, 8, 128, 16, True), (300, 4, 16, 32, True), (256, 8, 128, 16, True)],
+     (32, 8, 128, 16, False), (37, 8, 128, 16, True), (300, 4, 16, 32, True), (256, 8, 128, 16, True),
+     (150, 8, 128, 16, True)],
 )  # fmt: skip
 def test_align_kernel_equals_sort_and_pad(tokens: int, top_k: int, num_experts: int, block_m: int, skew: bool) -> None:
     """The one-launch layout (decode sizes) is `pad_to_blocks(sort_by_expert())`, value for value, including
-    slot counts past one 128-slot chunk, chunks of 16 to 128 slots and runs longer than a block (skew: most slots
-    on a few experts)."""
+    slot counts past one chunk, chunks of 16 to 512 slots and runs longer than a block (skew: most slots on a few
+    experts; 1200 slots: several chunks, runs of several chunks)."""
 
     generator = torch.Generator().manual_seed(tokens * top_k)
     if skew:
@@ -104,7 +105,7 @@ def test_align_kernel_equals_sort_and_pad(tokens: int, top_k: int, num_experts: 
 
 
 def test_align_chunk_follows_the_slot_count() -> None:
-    assert [align.chunk_for(n) for n in (1, 8, 17, 32, 40, 128, 129, 2048)] == [16, 16, 32, 32, 64, 128, 128, 128]
+    assert [align.chunk_for(n) for n in (1, 8, 17, 32, 40, 128, 129, 2048)] == [16, 16, 32, 32, 64, 128, 256, 512]
 
 
 @requires_triton
