@@ -3,8 +3,10 @@
 - `rms_norm`: x / sqrt(mean(x^2) + eps) * weight over the last dim, one program per row. A Gemma 4 layer
   applies up to eight norms; as torch ops (~8 launches each) they dominated prefill kernel launches.
 - `add_rms_norm`: a post-attention / post-feedforward norm, the residual add and the layer scalar in one
-  launch; `add_rms_norm_then_norm` also returns the next RMSNorm of the sum (the next layer's input norm).
-  Both accept the float32 K-split partial sums of the projection before them (`layers/linear.py`) as x.
+  launch; `add_rms_norm_then_norm` also returns the next RMSNorm of the sum (the next layer's input norm), and
+  `add_rms_norm_then_moe_norms` an MoE layer's other norms of it too (the experts' input norm, and the router's
+  norm * scale * scalar: four launches fewer a layer). All accept the float32 K-split partial sums of the
+  projection before them (`layers/linear.py`) as x.
 
 Each has its torch reference beside it (`rms_norm_reference`, `add_rms_norm_reference`): the math, the CPU
 path and the tests' oracle. `use_triton`: None runs Triton on CUDA and the reference elsewhere; True forces
@@ -22,6 +24,8 @@ Everything is CUDA-graph safe: no host syncs, and None weights/scales select a c
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -104,9 +108,10 @@ def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @jit
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, scale_ptr, out_ptr, next_weight_ptr, next_out_ptr,
-    stride_x_split, stride_x, stride_residual, stride_out, stride_next_out, n_cols, eps, next_eps,
+    expert_weight_ptr, expert_out_ptr, router_scale_ptr, router_out_ptr,
+    stride_x_split, stride_x, stride_residual, stride_out, stride_next_out, n_cols, eps, next_eps, router_scalar,
     SPLITS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, NEXT_NORM: tl.constexpr,
-    BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    MOE_NORMS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -119,6 +124,9 @@ def _add_rms_norm_kernel(
         scale = tl.load(scale_ptr).to(tl.float32)
     if NEXT_NORM:
         next_weight = tl.load(next_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if MOE_NORMS:
+        expert_weight = tl.load(expert_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        router_scale = tl.load(router_scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_start(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
@@ -140,6 +148,11 @@ def _add_rms_norm_kernel(
         next_rstd = 1.0 / tl.sqrt(tl.sum(out * out, axis=0) / n_cols + next_eps)
         next_normed = out * next_rstd * next_weight
         tl.store(next_out_ptr + row * stride_next_out + cols, round_to(next_normed, dtype).to(dtype), mask=mask)
+        if MOE_NORMS:  # the experts' input norm and the router's scale-free norm * scale * scalar, as torch rounds
+            expert_normed = round_to(out * next_rstd * expert_weight, dtype)
+            tl.store(expert_out_ptr + row * stride_next_out + cols, expert_normed.to(dtype), mask=mask)
+            router = round_to(round_to(round_to(out * next_rstd, dtype) * router_scale, dtype) * router_scalar, dtype)
+            tl.store(router_out_ptr + row * stride_next_out + cols, router.to(dtype), mask=mask)
 
 
 def add_rms_norm_reference(
@@ -191,9 +204,36 @@ def add_rms_norm_then_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`add_rms_norm` and the next RMSNorm (weight `next_weight`) of its result, in one kernel:
     (summed, RMSNorm(summed)). E.g. a layer's last residual add, then the next layer's input norm."""
-    summed, normed = _add_rms_norm(x, residual, weight, eps, scale, next_weight, next_eps, use_triton)
+    summed, normed, _ = _add_rms_norm(x, residual, weight, eps, scale, next_weight, next_eps, use_triton)
     assert normed is not None  # a next weight was given
     return summed, normed
+
+
+class MoeNorms(NamedTuple):
+    """The norms a Gemma 4 MoE layer takes of its residual stream besides the dense MLP's: the experts' input norm
+    (weight `expert_weight`) and the router's scale-free norm times `router_scale` times `router_scalar`."""
+
+    expert_weight: torch.Tensor
+    router_scale: torch.Tensor
+    router_scalar: float
+
+
+def add_rms_norm_then_moe_norms(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    next_weight: torch.Tensor,
+    next_eps: float,
+    moe: MoeNorms,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_then_norm` and the MoE norms (`MoeNorms`, eps `next_eps`) of its sum, in one kernel:
+    (summed, RMSNorm(summed), the experts' input, the router's input), each rounded where the torch ops round."""
+    summed, normed, (expert, router) = _add_rms_norm(
+        x, residual, weight, eps, None, next_weight, next_eps, use_triton, moe
+    )
+    return summed, normed, expert, router
 
 
 def _add_rms_norm(
@@ -205,32 +245,46 @@ def _add_rms_norm(
     next_weight: torch.Tensor | None,
     next_eps: float,
     use_triton: bool | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    moe: MoeNorms | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(summed, the next norm of it or None, the MoE norms of it or None)."""
     partials = x.dim() == 3
     if x.shape[-2:] != residual.shape or x.dtype != (torch.float32 if partials else residual.dtype):
         raise ValueError(f"add_rms_norm: x {x.dtype}{list(x.shape)} vs residual {residual.dtype}{list(residual.shape)}")
+    if moe is not None and next_weight is None:
+        raise ValueError("add_rms_norm: the MoE norms come with a next norm")
     if not runs_triton(x.device, use_triton, _add_rms_norm_kernel):
         if partials:
             x = sum_partials(x, residual.dtype)
         summed = add_rms_norm_reference(x, residual, weight, eps, scale)
-        return summed, None if next_weight is None else rms_norm_reference(summed, next_weight, next_eps)
+        normed = None if next_weight is None else rms_norm_reference(summed, next_weight, next_eps)
+        return summed, normed, None if moe is None else moe_norms_reference(summed, moe, next_eps)
     x, residual = last_dim_contiguous(x), last_dim_contiguous(residual)
     tokens, hidden = residual.shape
     out = torch.empty((tokens, hidden), dtype=residual.dtype, device=x.device)
     next_out = None if next_weight is None else torch.empty_like(out)
+    moe_out = None if moe is None else (torch.empty_like(out), torch.empty_like(out))
     if tokens:
         block = triton.next_power_of_2(hidden)
         launch = pdl_launch(x.device, _add_rms_norm_kernel)
+        expert_weight, router_scale, router_scalar = moe if moe is not None else (x, x, 0.0)
         _add_rms_norm_kernel[(tokens,)](
             x, residual, weight if weight is not None else x, scale if scale is not None else x, out,
             next_weight if next_weight is not None else x, next_out if next_out is not None else out,
+            expert_weight, moe_out[0] if moe_out else out, router_scale, moe_out[1] if moe_out else out,
             x.stride(0) if partials else 0, x.stride(-2), residual.stride(0), out.stride(0), out.stride(0),
-            hidden, eps, next_eps,  # next_out: as out
+            hidden, eps, next_eps, router_scalar,  # next_out and the MoE norms: as out
             SPLITS=x.shape[0] if partials else 1, HAS_WEIGHT=weight is not None, HAS_SCALE=scale is not None,
-            NEXT_NORM=next_weight is not None, BLOCK=block, USE_PDL=bool(launch),
+            NEXT_NORM=next_weight is not None, MOE_NORMS=moe is not None, BLOCK=block, USE_PDL=bool(launch),
             num_warps=add_norm_warps(block, tokens), **launch,
         )  # fmt: skip
-    return out, next_out
+    return out, next_out, moe_out
+
+
+def moe_norms_reference(summed: torch.Tensor, moe: MoeNorms, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the experts' input, the router's input) of `summed` in torch, op by op as the MoE layer's modules run."""
+    router = rms_norm_reference(summed, None, eps) * moe.router_scale * moe.router_scalar
+    return rms_norm_reference(summed, moe.expert_weight, eps), router
 
 
 # From this many rows (prefill sizes) the add + norm kernel runs 8 warps a row rather than 16: more rows share an

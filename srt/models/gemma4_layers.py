@@ -15,7 +15,7 @@ from torch import nn
 from srt.configs.model_config import AttentionLayerSpec, ModelConfig
 from srt.distributed.collectives import reduce_sum
 from srt.forward.forward_batch import ForwardBatch
-from srt.kernels.norm import add_rms_norm, add_rms_norm_then_norm
+from srt.kernels.norm import MoeNorms, add_rms_norm, add_rms_norm_then_moe_norms, add_rms_norm_then_norm
 from srt.kernels.per_layer_projection import per_layer_input_projection
 from srt.kernels.qkv_store import QKVLayout, qkv_norm_rope_store
 from srt.kernels.rope import rms_norm_rope
@@ -177,16 +177,23 @@ class Gemma4DecoderLayer(nn.Module):
         attention and MLP outputs may come as K-split partial sums (`layers/linear.py`): the add + norm
         kernels after them take either form."""
         attn = self.self_attn(attn_input, cos_sin, batch, backend)
-        hidden, mlp_input = add_norm_then_norm(
-            self.post_attention_layernorm, attn, hidden, self.pre_feedforward_layernorm
-        )
+        if self.has_moe:
+            # the router and the experts see the residual stream, not the dense MLP's input norm: their norms of
+            # it come from the residual add's kernel too
+            hidden, mlp_input, expert_input, router_input = add_rms_norm_then_moe_norms(
+                attn, hidden, self.post_attention_layernorm.scale, self.post_attention_layernorm.eps,
+                self.pre_feedforward_layernorm.weight, self.pre_feedforward_layernorm.eps,
+                MoeNorms(self.pre_feedforward_layernorm_2.weight, *self.router.input_norms()),
+            )  # fmt: skip
+        else:
+            hidden, mlp_input = add_norm_then_norm(
+                self.post_attention_layernorm, attn, hidden, self.pre_feedforward_layernorm
+            )
 
         residual = hidden
         mlp_out = self.mlp(mlp_input)
         if self.has_moe:
-            # the router and the experts see the residual stream, not the dense MLP's input norm
-            routing = self.router(residual)
-            expert_out = self.experts(self.pre_feedforward_layernorm_2(residual), *routing)
+            expert_out = self.experts(expert_input, *self.router.route(router_input))
             expert_out = reduce_sum(expert_out, self.tp_size)
             expert_out = self.post_feedforward_layernorm_2(expert_out)
             mlp_out = add_norm(self.post_feedforward_layernorm_1, mlp_out, expert_out)

@@ -12,9 +12,11 @@ from kernel_inputs import DEVICE, EPS, assert_within_ulps, random_weight
 
 from srt.kernels.norm import (
     PREFILL_ROWS,
+    MoeNorms,
     add_norm_warps,
     add_rms_norm,
     add_rms_norm_reference,
+    add_rms_norm_then_moe_norms,
     add_rms_norm_then_norm,
     rms_norm,
     rms_norm_reference,
@@ -123,6 +125,53 @@ def test_add_rms_norm_then_norm_kernel(dtype: torch.dtype, with_scale: bool) -> 
     ref_summed, ref_normed = add_rms_norm_then_norm(cpu[0], cpu[1], cpu[2], EPS, cpu[3], 1e-5, cpu[4])
     assert torch.equal(ref_summed, add_rms_norm_reference(cpu[0], cpu[1], cpu[2], EPS, cpu[4]))
     assert torch.equal(ref_normed, next_norm.cpu().reference(ref_summed))
+
+
+@pytest.mark.parametrize("partials", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_then_moe_norms_kernel(dtype: torch.dtype, partials: bool) -> None:
+    """An MoE layer's norms of the residual add (the dense MLP's, the experts' and the router's input) from one
+    kernel: the sum and the next norm as `add_rms_norm_then_norm` gives them, the experts' input as its RMSNorm,
+    the router's as `Router`'s ops (scale-free norm, * scale, * scalar; each rounded), within a rounding step."""
+    from srt.layers.moe.router import Router
+
+    generator = torch.Generator().manual_seed(5)
+    tokens, hidden = 3, 96
+    shape = (2, tokens, hidden) if partials else (tokens, hidden)
+    x = (3 * torch.randn(shape, generator=generator)).to(DEVICE, torch.float32 if partials else dtype)
+    residual = torch.randn(tokens, hidden, generator=generator).to(DEVICE, dtype)
+    weight, next_weight, expert_weight = (random_weight(hidden, generator).to(DEVICE, dtype) for _ in range(3))
+    router = Router(hidden, num_experts=4, top_k=2, eps=EPS).to(DEVICE, dtype)
+    router.scale.data = random_weight(hidden, generator).to(DEVICE, dtype)
+    moe = MoeNorms(expert_weight, *router.input_norms())
+    summed, normed, expert, routed = add_rms_norm_then_moe_norms(
+        x, residual, weight, EPS, next_weight, EPS, moe, use_triton=True
+    )
+    expected_pair = add_rms_norm_then_norm(x, residual, weight, EPS, next_weight, EPS, use_triton=True)
+    assert torch.equal(summed, expected_pair[0]) and torch.equal(normed, expected_pair[1])
+    with torch.no_grad():
+        expected = (
+            rms_norm_reference(summed, expert_weight, EPS),
+            router.norm.reference(summed) * router.scale * router.scalar_root_size,
+        )
+    for got, want in zip((expert, routed), expected, strict=True):
+        assert got.dtype == dtype and got.shape == want.shape
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:  # the same rounded sum goes in; float32 noise may flip the last bit of a rounded step
+            assert_within_ulps(got, want, want, 2)
+            assert (got == want).float().mean() > 0.9
+    # the reference path (the CPU default) returns the module ops' values exactly
+    cpu = [t.cpu() for t in (x, residual, weight, next_weight, expert_weight, router.scale)]
+    reference = add_rms_norm_then_moe_norms(
+        cpu[0], cpu[1], cpu[2], EPS, cpu[3], EPS, MoeNorms(cpu[4], cpu[5], router.scalar_root_size)
+    )
+    with torch.no_grad():
+        router_cpu = router.cpu()
+        assert torch.equal(
+            reference[3], router_cpu.norm.reference(reference[0]) * router_cpu.scale * router_cpu.scalar_root_size
+        )
+    assert torch.equal(reference[2], rms_norm_reference(reference[0], cpu[4], EPS))
 
 
 @pytest.mark.parametrize("splits", [2, 3])

@@ -31,6 +31,14 @@ class Router(nn.Module):
         self.per_expert_scale = nn.Parameter(torch.ones(num_experts))
 
     def forward(self, hidden: torch.Tensor) -> RoutingResult:
-        logits = self.proj(self.norm(hidden) * self.scale * self.scalar_root_size)
+        return self.route(self.norm(hidden) * self.scale * self.scalar_root_size)
+
+    def route(self, router_input: torch.Tensor) -> RoutingResult:
+        """The routing of `router_input`, the normed and scaled hidden states (the decoder layer computes them in
+        its residual add's kernel: `norm.add_rms_norm_then_moe_norms`)."""
         use_triton = False if self.backend == "torch" else None
-        return topk_routing(logits, self.per_expert_scale, self.top_k, use_triton)
+        return topk_routing(self.proj(router_input), self.per_expert_scale, self.top_k, use_triton)
+
+    def input_norms(self) -> tuple[torch.Tensor, float]:
+        """(scale, scalar) that multiply the scale-free norm of the hidden states, in that order."""
+        return self.scale, self.scalar_root_size
