@@ -108,10 +108,11 @@ def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @jit
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, scale_ptr, out_ptr, next_weight_ptr, next_out_ptr,
-    expert_weight_ptr, expert_out_ptr, router_scale_ptr, router_out_ptr,
-    stride_x_split, stride_x, stride_residual, stride_out, stride_next_out, n_cols, eps, next_eps, router_scalar,
+    expert_weight_ptr, expert_out_ptr, router_scale_ptr, router_out_ptr, residual_weight_ptr,
+    stride_x_split, stride_x, stride_residual, stride_residual_part, stride_out, stride_next_out, n_cols, eps,
+    next_eps, router_scalar, residual_eps,
     SPLITS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, NEXT_NORM: tl.constexpr,
-    MOE_NORMS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    MOE_NORMS: tl.constexpr, RESIDUAL_PARTS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -127,9 +128,17 @@ def _add_rms_norm_kernel(
     if MOE_NORMS:
         expert_weight = tl.load(expert_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         router_scale = tl.load(router_scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL_PARTS:
+        residual_weight = tl.load(residual_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_start(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
+    if RESIDUAL_PARTS:  # the residual is RMSNorm(sum of parts): the parts summed in order and rounded, then normed
+        for part in tl.static_range(1, RESIDUAL_PARTS):
+            residual += tl.load(residual_ptr + row * stride_residual + part * stride_residual_part + cols, mask=mask)
+        residual = round_to(residual, dtype)
+        residual_rstd = 1.0 / tl.sqrt(tl.sum(residual * residual, axis=0) / n_cols + residual_eps)
+        residual = round_to(residual * residual_rstd * residual_weight, dtype)
     if SPLITS > 1:  # float32 K-split partial sums of the GEMM before: their sum, rounded as the GEMM rounds
         for split in tl.static_range(1, SPLITS):
             x += tl.load(x_ptr + split * stride_x_split + row * stride_x + cols, mask=mask, other=0.0)
@@ -209,6 +218,24 @@ def add_rms_norm_then_norm(
     return summed, normed
 
 
+def add_rms_norms_of_parts(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    parts: torch.Tensor,
+    parts_weight: torch.Tensor,
+    parts_eps: float,
+    use_triton: bool | None = None,
+) -> torch.Tensor:
+    """RMSNorm(sum of parts) + RMSNorm(x) in one kernel: `add_rms_norm` whose residual is the RMSNorm (weight
+    `parts_weight`) of `parts` [tokens, P, hidden] summed over P (in float32, rounded to its dtype as torch's sum
+    rounds). An MoE layer's expert slots (P = top_k, unsummed) and its dense MLP's output (x, or its K-split
+    partials): the slots' sum, its norm and the add + norm, where torch runs three kernels."""
+    if parts.dim() != 3:
+        raise ValueError(f"add_rms_norms_of_parts: parts must be [tokens, P, hidden], got {list(parts.shape)}")
+    return _add_rms_norm(x, parts, weight, eps, None, None, 0.0, use_triton, parts_norm=(parts_weight, parts_eps))[0]
+
+
 class MoeNorms(NamedTuple):
     """The norms a Gemma 4 MoE layer takes of its residual stream besides the dense MLP's: the experts' input norm
     (weight `expert_weight`) and the router's scale-free norm times `router_scale` times `router_scalar`."""
@@ -246,9 +273,14 @@ def _add_rms_norm(
     next_eps: float,
     use_triton: bool | None,
     moe: MoeNorms | None = None,
+    parts_norm: tuple[torch.Tensor, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
-    """(summed, the next norm of it or None, the MoE norms of it or None)."""
+    """(summed, the next norm of it or None, the MoE norms of it or None). With `parts_norm` (weight, eps) the
+    residual comes as parts [tokens, P, hidden] whose normed sum is the residual (`add_rms_norms_of_parts`)."""
     partials = x.dim() == 3
+    parts = residual if parts_norm is not None else None
+    if parts is not None:
+        residual = parts[:, 0]
     if x.shape[-2:] != residual.shape or x.dtype != (torch.float32 if partials else residual.dtype):
         raise ValueError(f"add_rms_norm: x {x.dtype}{list(x.shape)} vs residual {residual.dtype}{list(residual.shape)}")
     if moe is not None and next_weight is None:
@@ -256,11 +288,15 @@ def _add_rms_norm(
     if not runs_triton(x.device, use_triton, _add_rms_norm_kernel):
         if partials:
             x = sum_partials(x, residual.dtype)
+        if parts is not None:
+            residual = rms_norm_reference(parts.sum(dim=1), parts_norm[0], parts_norm[1])
         summed = add_rms_norm_reference(x, residual, weight, eps, scale)
         normed = None if next_weight is None else rms_norm_reference(summed, next_weight, next_eps)
         return summed, normed, None if moe is None else moe_norms_reference(summed, moe, next_eps)
-    x, residual = last_dim_contiguous(x), last_dim_contiguous(residual)
-    tokens, hidden = residual.shape
+    x = last_dim_contiguous(x)
+    residual = residual if parts is None else parts
+    residual = last_dim_contiguous(residual)
+    tokens, hidden = residual.shape[0], residual.shape[-1]
     out = torch.empty((tokens, hidden), dtype=residual.dtype, device=x.device)
     next_out = None if next_weight is None else torch.empty_like(out)
     moe_out = None if moe is None else (torch.empty_like(out), torch.empty_like(out))
@@ -268,14 +304,17 @@ def _add_rms_norm(
         block = triton.next_power_of_2(hidden)
         launch = pdl_launch(x.device, _add_rms_norm_kernel)
         expert_weight, router_scale, router_scalar = moe if moe is not None else (x, x, 0.0)
+        residual_weight, residual_eps = parts_norm if parts_norm is not None else (x, 0.0)
         _add_rms_norm_kernel[(tokens,)](
             x, residual, weight if weight is not None else x, scale if scale is not None else x, out,
             next_weight if next_weight is not None else x, next_out if next_out is not None else out,
             expert_weight, moe_out[0] if moe_out else out, router_scale, moe_out[1] if moe_out else out,
-            x.stride(0) if partials else 0, x.stride(-2), residual.stride(0), out.stride(0), out.stride(0),
-            hidden, eps, next_eps, router_scalar,  # next_out and the MoE norms: as out
+            residual_weight, x.stride(0) if partials else 0, x.stride(-2), residual.stride(0),
+            residual.stride(1) if parts is not None else 0, out.stride(0), out.stride(0),
+            hidden, eps, next_eps, router_scalar, residual_eps,  # next_out and the MoE norms: as out
             SPLITS=x.shape[0] if partials else 1, HAS_WEIGHT=weight is not None, HAS_SCALE=scale is not None,
-            NEXT_NORM=next_weight is not None, MOE_NORMS=moe is not None, BLOCK=block, USE_PDL=bool(launch),
+            NEXT_NORM=next_weight is not None, MOE_NORMS=moe is not None,
+            RESIDUAL_PARTS=parts.shape[1] if parts is not None else 0, BLOCK=block, USE_PDL=bool(launch),
             num_warps=add_norm_warps(block, tokens), **launch,
         )  # fmt: skip
     return out, next_out, moe_out

@@ -15,7 +15,13 @@ from torch import nn
 from srt.configs.model_config import AttentionLayerSpec, ModelConfig
 from srt.distributed.collectives import reduce_sum
 from srt.forward.forward_batch import ForwardBatch
-from srt.kernels.norm import MoeNorms, add_rms_norm, add_rms_norm_then_moe_norms, add_rms_norm_then_norm
+from srt.kernels.norm import (
+    MoeNorms,
+    add_rms_norm,
+    add_rms_norm_then_moe_norms,
+    add_rms_norm_then_norm,
+    add_rms_norms_of_parts,
+)
 from srt.kernels.per_layer_projection import per_layer_input_projection
 from srt.kernels.qkv_store import QKVLayout, qkv_norm_rope_store
 from srt.kernels.rope import rms_norm_rope
@@ -193,10 +199,14 @@ class Gemma4DecoderLayer(nn.Module):
         residual = hidden
         mlp_out = self.mlp(mlp_input)
         if self.has_moe:
-            expert_out = self.experts(expert_input, *self.router.route(router_input))
-            expert_out = reduce_sum(expert_out, self.tp_size)
-            expert_out = self.post_feedforward_layernorm_2(expert_out)
-            mlp_out = add_norm(self.post_feedforward_layernorm_1, mlp_out, expert_out)
+            # the expert terms unsummed: the kernel of the add + norms below sums and norms them
+            expert_terms = self.experts(expert_input, *self.router.route(router_input), combine=self.tp_size > 1)
+            if self.tp_size > 1:
+                expert_terms = reduce_sum(expert_terms, self.tp_size).unsqueeze(1)
+            norm_1, norm_2 = self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2
+            mlp_out = add_rms_norms_of_parts(
+                mlp_out, norm_1.weight, norm_1.eps, expert_terms, norm_2.weight, norm_2.eps
+            )
         if not self.ple_dim:
             return add_norm_then_norm(self.post_feedforward_layernorm, mlp_out, residual, next_norm, self.layer_scalar)
         # the layer scalar multiplies the layer's last sum: the per-layer-input one here

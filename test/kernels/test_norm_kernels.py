@@ -18,6 +18,7 @@ from srt.kernels.norm import (
     add_rms_norm_reference,
     add_rms_norm_then_moe_norms,
     add_rms_norm_then_norm,
+    add_rms_norms_of_parts,
     rms_norm,
     rms_norm_reference,
     sum_partials,
@@ -172,6 +173,34 @@ def test_add_rms_norm_then_moe_norms_kernel(dtype: torch.dtype, partials: bool) 
             reference[3], router_cpu.norm.reference(reference[0]) * router_cpu.scale * router_cpu.scalar_root_size
         )
     assert torch.equal(reference[2], rms_norm_reference(reference[0], cpu[4], EPS))
+
+
+@pytest.mark.parametrize("num_parts", [1, 8])
+@pytest.mark.parametrize("partials", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norms_of_parts(dtype: torch.dtype, partials: bool, num_parts: int) -> None:
+    """RMSNorm(sum of parts) + RMSNorm(x) in one kernel (an MoE layer's expert slots beside its dense MLP): the
+    values of summing the parts as torch does, norming them, then `add_rms_norm` with that as the residual."""
+    generator = torch.Generator().manual_seed(7 + num_parts)
+    tokens, hidden = 3, 96
+    shape = (2, tokens, hidden) if partials else (tokens, hidden)
+    x = (3 * torch.randn(shape, generator=generator)).to(DEVICE, torch.float32 if partials else dtype)
+    parts = torch.randn(tokens, num_parts, hidden, generator=generator).to(DEVICE, dtype)
+    weight, parts_weight = (random_weight(hidden, generator).to(DEVICE, dtype) for _ in range(2))
+    got = add_rms_norms_of_parts(x, weight, EPS, parts, parts_weight, 1e-5, use_triton=True)
+    residual = rms_norm_reference(parts.sum(dim=1), parts_weight, 1e-5)  # (the interpreter's casts truncate)
+    expected = add_rms_norm(x, residual, weight, EPS, use_triton=True)
+    assert got.dtype == dtype and got.shape == (tokens, hidden)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    else:  # float32 summation order and 1/sqrt noise may flip the last bit of a rounded step
+        assert_within_ulps(got, expected, expected.abs() + residual.float().abs(), 2)
+        assert (got == expected).float().mean() > 0.9
+    cpu = [t.cpu() for t in (x, parts, weight, parts_weight)]  # the reference path: torch's ops exactly
+    reference = add_rms_norms_of_parts(cpu[0], cpu[2], EPS, cpu[1], cpu[3], 1e-5)
+    summed_x = sum_partials(cpu[0], dtype) if partials else cpu[0]
+    ops = add_rms_norm_reference(summed_x, rms_norm_reference(cpu[1].sum(dim=1), cpu[3], 1e-5), cpu[2], EPS)
+    assert torch.equal(reference, ops)
 
 
 @pytest.mark.parametrize("splits", [2, 3])

@@ -76,9 +76,14 @@ class Experts(nn.Module):
             dequantize(self.down_proj[expert], self.down_proj_scale[expert], PER_CHANNEL, dtype),
         )
 
-    def forward(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor, combine: bool = True
+    ) -> torch.Tensor:
+        """[tokens, hidden]; with `combine` False, [tokens, P, hidden] terms whose sum over P it is (the top_k slot
+        outputs of the fused backends, the sum itself as P = 1 from the torch loop)."""
         if self.backend == "torch" or (self.backend == "auto" and not hidden.is_cuda):
-            return self.forward_reference(hidden, weights, expert_ids)
+            out = self.forward_reference(hidden, weights, expert_ids)
+            return out if combine else out.unsqueeze(1)
         backend = None if self.backend == "auto" else self.backend
         return fused_experts(
             hidden,
@@ -89,6 +94,7 @@ class Experts(nn.Module):
             backend,
             gate_up_scale=self.gate_up_proj_scale,
             down_scale=self.down_proj_scale,
+            combine=combine,
         )
 
     def forward_reference(self, hidden: torch.Tensor, weights: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:

@@ -87,9 +87,11 @@ def pad_to_blocks(runs: ExpertRuns, block_m: int) -> ExpertBlocks:
     return ExpertBlocks(slot_of_row, block_expert.to(torch.int32), padded_ends[-1:])
 
 
-def _combine(per_slot: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
-    """Sum each token's top_k weighted expert outputs (float32 accumulation, output in the slot dtype)."""
-    return per_slot.view(tokens, top_k, -1).sum(dim=1)
+def _combine(per_slot: torch.Tensor, tokens: int, top_k: int, combine: bool = True) -> torch.Tensor:
+    """Sum each token's top_k weighted expert outputs (float32 accumulation, output in the slot dtype); with
+    `combine` False, the unsummed [tokens, top_k, hidden] view, for a kernel that sums them itself."""
+    slots = per_slot.view(tokens, top_k, -1)
+    return slots.sum(dim=1) if combine else slots
 
 
 def triton_experts(
@@ -101,9 +103,11 @@ def triton_experts(
     config: experts_kernels.ExpertsConfig | None = None,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    combine: bool = True,
 ) -> torch.Tensor:
     """The experts through the two Triton grouped-GEMM kernels; with FP8 weights, their float32 scales
-    per output channel (gate_up_scale [experts, 2 * inter], down_scale [experts, hidden])."""
+    per output channel (gate_up_scale [experts, 2 * inter], down_scale [experts, hidden]). `combine`: as
+    `fused_experts`."""
     tokens, top_k = expert_ids.shape
     num_experts = gate_up_proj.shape[0]
     if config is None:
@@ -120,7 +124,7 @@ def triton_experts(
     if not config.w8a8:
         act = experts_kernels.grouped_gate_up(hidden, gate_up_proj, *blocks, top_k, config, gate_up_scale)
         per_slot = experts_kernels.grouped_down(act, down_proj, flat_weights, *blocks, config, down_scale)
-        return _combine(per_slot, tokens, top_k)
+        return _combine(per_slot, tokens, top_k, combine)
     # W8A8: each token's row, then each slot's gelu(gate) * up, quantized with one scale per row
     x_q, x_scale = quantize_fp8(hidden, use_triton=hidden.is_cuda)
     act = experts_kernels.grouped_gate_up(
@@ -130,7 +134,7 @@ def triton_experts(
     per_slot = experts_kernels.grouped_down(
         act_q, down_proj, flat_weights, *blocks, config, down_scale, act_scale, out_dtype=hidden.dtype
     )
-    return _combine(per_slot, tokens, top_k)
+    return _combine(per_slot, tokens, top_k, combine)
 
 
 def grouped_mm_experts(
@@ -139,8 +143,10 @@ def grouped_mm_experts(
     down_proj: torch.Tensor,
     weights: torch.Tensor,
     expert_ids: torch.Tensor,
+    combine: bool = True,
 ) -> torch.Tensor:
-    """The experts through torch._grouped_mm (bf16): gather rows in expert order, two grouped GEMMs, scatter."""
+    """The experts through torch._grouped_mm (bf16): gather rows in expert order, two grouped GEMMs, scatter.
+    `combine`: as `fused_experts`."""
     tokens, top_k = expert_ids.shape
     runs = sort_by_expert(expert_ids, gate_up_proj.shape[0])
     offs = runs.ends.to(torch.int32)
@@ -151,7 +157,7 @@ def grouped_mm_experts(
     act = (F.gelu(gate, approximate="tanh") * up * weights.reshape(-1)[runs.order, None]).to(hidden.dtype)
     per_slot = torch.empty(tokens * top_k, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
     per_slot[runs.order] = torch._grouped_mm(act, down_proj.transpose(1, 2), offs=offs)
-    return _combine(per_slot, tokens, top_k)
+    return _combine(per_slot, tokens, top_k, combine)
 
 
 def grouped_mm_supported(hidden: torch.Tensor, fp8: bool = False) -> bool:
@@ -202,25 +208,28 @@ def fused_experts(
     backend: str | None = None,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    combine: bool = True,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * down_e(gelu_tanh(gate_e(x_t)) * up_e(x_t)), e = expert_ids[t, k]; [tokens, hidden].
 
     `backend`: "triton", "grouped_mm", or None for `default_backend`. FP8 weights (float8_e4m3fn) come with
     their float32 per-output-channel scales `gate_up_scale` [experts, 2 * inter] and `down_scale`
-    [experts, hidden]. Raises ValueError if no backend can run.
+    [experts, hidden]. `combine` False: the k terms unsummed, [tokens, top_k, hidden] (the caller's kernel sums
+    them: `norm.add_rms_norms_of_parts`). Raises ValueError if no backend can run.
     """
     fp8 = gate_up_proj.dtype == FP8
     if fp8 != (down_proj.dtype == FP8) or fp8 != (gate_up_scale is not None and down_scale is not None):
         raise ValueError("FP8 experts need both weights in float8_e4m3fn and both scales; 16-bit ones neither")
     backend = backend or default_backend(hidden, fp8)
     if expert_ids.numel() == 0:
-        return torch.zeros_like(hidden)
+        return torch.zeros_like(hidden) if combine else hidden.new_zeros(hidden.shape[0], 1, hidden.shape[1])
     if backend == "triton" and triton_supported(hidden):
         return triton_experts(
-            hidden, gate_up_proj, down_proj, weights, expert_ids, gate_up_scale=gate_up_scale, down_scale=down_scale
-        )
+            hidden, gate_up_proj, down_proj, weights, expert_ids, gate_up_scale=gate_up_scale, down_scale=down_scale,
+            combine=combine,
+        )  # fmt: skip
     if backend == "grouped_mm" and grouped_mm_supported(hidden, fp8):
-        return grouped_mm_experts(hidden, gate_up_proj, down_proj, weights, expert_ids)
+        return grouped_mm_experts(hidden, gate_up_proj, down_proj, weights, expert_ids, combine)
     weight_dtype = "float8_e4m3fn weights" if fp8 else f"{gate_up_proj.dtype} weights"
     raise ValueError(
         f"no fused experts backend runs {hidden.dtype} with {weight_dtype} on {hidden.device} (asked for {backend!r})"

@@ -58,6 +58,11 @@ def check_backend(
         exact = experts.float().forward_reference(hidden.float(), weights, ids)
         loop = experts.to(hidden.dtype).forward_reference(hidden, weights, ids)
     assert out.shape == hidden.shape and out.dtype == hidden.dtype
+    with torch.no_grad():  # the unsummed terms (for the kernel of the add + norms after the experts) sum to it
+        terms = fe.fused_experts(
+            hidden, experts.gate_up_proj, experts.down_proj, weights, ids.to(torch.int32), backend, combine=False
+        )
+    assert terms.shape == (hidden.shape[0], ids.shape[1], hidden.shape[1]) and torch.equal(terms.sum(dim=1), out)
     error = relative_error(out, exact)
     if hidden.dtype == torch.float32:
         assert error < FP32_TOL
