@@ -84,6 +84,21 @@ FP8_SWEEP = [
     ExpertsConfig(128, 128, 128, 256, 8, 2, w8a8=True),
 ]
 
+# weight-only FP8 blocks at decode sizes (a few slots per expert): the down GEMM's K is only 704 (2.75 steps of 256)
+FP8_DECODE_SWEEP = [
+    ExpertsConfig(16, 32, 64, 256, 4, 4),  # srt's
+    ExpertsConfig(16, 32, 128, 256, 4, 4),
+    ExpertsConfig(16, 32, 32, 256, 4, 4),
+    ExpertsConfig(16, 32, 64, 128, 4, 4),
+    ExpertsConfig(16, 32, 128, 128, 4, 4),
+    ExpertsConfig(16, 32, 64, 256, 4, 2),
+    ExpertsConfig(16, 32, 64, 256, 8, 4),
+    ExpertsConfig(16, 64, 64, 256, 4, 4),
+    ExpertsConfig(16, 32, 64, 512, 4, 2),
+    ExpertsConfig(16, 32, 32, 512, 4, 2),
+    ExpertsConfig(16, 32, 64, 256, 2, 4),
+]
+
 
 def transformers_routing(logits: torch.Tensor, scales: torch.Tensor, top_k: int) -> tuple[torch.Tensor, ...]:
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -149,7 +164,7 @@ def bench_fp8_experts(
     ids: torch.Tensor,
     exact: torch.Tensor,
     fp8: Experts,
-    sweep: bool,
+    sweep: bool | str,
 ) -> None:
     """The FP8 experts through triton, added to the bf16 `record` of the same inputs."""
     args = (hidden, fp8.gate_up_proj, fp8.down_proj, weights, ids)
@@ -179,7 +194,7 @@ def bench_fp8_experts(
     if not sweep:
         return
     record["fp8_triton_sweep"] = []
-    for config in FP8_SWEEP:
+    for config in FP8_DECODE_SWEEP if sweep == "decode" else FP8_SWEEP:
         try:
             out = fe.triton_experts(*args, config=config, **scales)
             entry = {
@@ -192,7 +207,8 @@ def bench_fp8_experts(
         record["fp8_triton_sweep"].append({"config": list(config.__dict__.values()), **entry})
 
 
-def bench_experts(tokens: int, experts: Experts, sweep: bool, fp8: Experts | None = None) -> dict:
+def bench_experts(tokens: int, experts: Experts, sweep: bool | str, fp8: Experts | None = None) -> dict:
+    """`sweep`: True sweeps SWEEP (bf16) and FP8_SWEEP, "decode" FP8_DECODE_SWEEP only, False nothing."""
     hidden = torch.randn(tokens, HIDDEN, device=DEVICE).to(torch.bfloat16)
     logits = torch.randn(tokens, EXPERTS, device=DEVICE)
     weights, ids = topk_routing(logits, experts.per_expert_scale, TOP_K, use_triton=True)
@@ -224,7 +240,7 @@ def bench_experts(tokens: int, experts: Experts, sweep: bool, fp8: Experts | Non
                 record[backend] = {"error": f"{error!r}"[:300]}
         default = default_experts_config(tokens * TOP_K, EXPERTS, True)
         record["triton"]["config"] = list(default.__dict__.values())
-        if sweep:
+        if sweep is True:
             record["triton_sweep"] = []
             for config in SWEEP:
                 if config == default:
@@ -278,6 +294,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 32, 512, 8192])
     parser.add_argument("--no-sweep", action="store_true")
     parser.add_argument("--fp8", action="store_true", help="FP8 experts side by side with bf16 (triton)")
+    parser.add_argument("--fp8-decode-sweep", action="store_true", help="With --fp8: sweep FP8_DECODE_SWEEP only.")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -289,7 +306,8 @@ def main() -> None:
         records.append(bench_routing(tokens))
         print(json.dumps(records[-1]), flush=True)
     for tokens in args.tokens:
-        records.append(bench_experts(tokens, experts, not args.no_sweep, fp8))
+        sweep = "decode" if args.fp8_decode_sweep else not args.no_sweep
+        records.append(bench_experts(tokens, experts, sweep, fp8))
         print(json.dumps(records[-1]), flush=True)
     write_json(args.json, "bench_moe.json", {"device": torch.cuda.get_device_name(), "records": records})
     print("\nrouting: tokens | fused gpu/graph/host us | torch reference | transformers ops | ids equal")
