@@ -112,7 +112,7 @@ W8A8_TILES = {
 }
 # fewer programs than this at 4 K-splits leave the H100's 132 SMs short of a full wave: 8 splits then
 FULL_WAVE_PROGRAMS = 96
-MAX_STEP_CHUNKS = 16
+MAX_STEP_CHUNKS, MAX_GATED_CHUNKS = 16, 8
 
 
 def w8a8_splits(n: int, k: int, block_k: int) -> int:
@@ -131,8 +131,8 @@ def w8a8_splits(n: int, k: int, block_k: int) -> int:
         return 2
     if w8a8_tiles(4, n, k, block_k) is None:
         for chunks in range(3, MAX_STEP_CHUNKS + 1):
-            fits = w8a8_tiles(chunks, n, k, block_k) is not None and n // STEP_CHUNK_TILES.block_n * chunks
-            if fits and fits >= FULL_WAVE_PROGRAMS:
+            programs = n // STEP_CHUNK_TILES.block_n * chunks
+            if programs >= FULL_WAVE_PROGRAMS and w8a8_tiles(chunks, n, k, block_k) is not None:
                 return chunks
     return 4
 
@@ -184,7 +184,7 @@ def w8a8_gated_plan(n: int, k: int, block_k: int) -> tuple[GemmTiles, int]:
     if whole is None or n // whole.block_n >= FULL_WAVE_PROGRAMS:
         return whole, 1
     for tiles in (whole, GATED_NARROW_K_TILES):
-        for chunks in range(2, 9):
+        for chunks in range(2, MAX_GATED_CHUNKS + 1):
             if k % (chunks * tiles.block_k) or block_k % tiles.block_k:
                 continue
             if n // tiles.block_n * chunks >= FULL_WAVE_PROGRAMS:

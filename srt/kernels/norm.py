@@ -135,7 +135,8 @@ def _add_rms_norm_kernel(
     residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
     if RESIDUAL_PARTS:  # the residual is RMSNorm(sum of parts): the parts summed in order and rounded, then normed
         for part in tl.static_range(1, RESIDUAL_PARTS):
-            residual += tl.load(residual_ptr + row * stride_residual + part * stride_residual_part + cols, mask=mask)
+            part_ptr = residual_ptr + row * stride_residual + part * stride_residual_part
+            residual += tl.load(part_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         residual = round_to(residual, dtype)
         residual_rstd = 1.0 / tl.sqrt(tl.sum(residual * residual, axis=0) / n_cols + residual_eps)
         residual = round_to(residual * residual_rstd * residual_weight, dtype)
