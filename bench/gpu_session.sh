@@ -219,7 +219,7 @@ stage_abbase() {  # this tree vs the tree in $AB_BASE (its own srt/ and bench/),
             for shape in "${shapes[@]}"; do
                 PYTHONPATH=$tree:$PYTHONPATH timeout 240 python3 "$tree/bench/bench_one_batch.py" --load-format dummy \
                     --dtype bfloat16 --model-path gemma-4-${AB_MODEL:-E4B}-it $shape \
-                    --json "$RESULTS/abbase-$name-$round-$(echo $shape | tr -d ' -' | cut -c1-24).json" 2>&1 \
+                    --json "$RESULTS/abbase-${AB_MODEL:-E4B}-$name-$round-$(echo $shape | tr -d ' -' | cut -c1-24).json" 2>&1 \
                     | grep -E "^batch|Error|error" | grep -v floor
             done
         done
