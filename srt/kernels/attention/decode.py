@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from srt.kernels.attention.paged_kv import LOG2E, dot_precision, dot_query, fp8_kv_dot_dtype, kv_slots, row_kv_bounds
+from srt.kernels.attention.paged_kv import LOG2E, dot_precision, kv_slots, row_kv_bounds
 from srt.kernels.kv_quant import is_fp8_kv
-from srt.kernels.triton_support import pdl_launch, pdl_start
+from srt.kernels.triton_support import as_dot_operand, fp8_dot_dtype, pdl_launch, pdl_start
 
 MAX_KV_SPLITS = 64
 
@@ -113,7 +113,7 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     # the dtype of the dot products: the cache's; with an FP8 cache, float16 (or float32 queries' float32)
-    kv_dtype = fp8_kv_dot_dtype(q_ptr.dtype.element_ty) if KV_FP8 else k_ptr.dtype.element_ty
+    kv_dtype = fp8_dot_dtype(q_ptr.dtype.element_ty) if KV_FP8 else k_ptr.dtype.element_ty
     score_scale = k_scale * LOG2E if KV_FP8 else LOG2E
     # before the wait: no kernel of the layers writes positions, lengths or slot tables (module docstring)
     pos = tl.load(positions_ptr + row)
@@ -131,7 +131,7 @@ def _decode_split_kernel(
     slot = kv_slots(req_to_token_row, full_to_swa_ptr, lo + offs_n, lo + offs_n < hi, SLIDING)
     pdl_start(USE_PDL)
     q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=h_ok[:, None], other=0.0)
-    q = dot_query(q, kv_dtype)
+    q = as_dot_operand(q, kv_dtype)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)

@@ -34,8 +34,9 @@ import torch
 import triton
 import triton.language as tl
 
-from srt.kernels.attention.paged_kv import LOG2E, dot_precision, dot_query, fp8_kv_dot_dtype, kv_slots, row_kv_bounds
+from srt.kernels.attention.paged_kv import LOG2E, dot_precision, kv_slots, row_kv_bounds
 from srt.kernels.kv_quant import is_fp8_kv
+from srt.kernels.triton_support import as_dot_operand, fp8_dot_dtype
 
 
 @dataclass(frozen=True)
@@ -214,7 +215,7 @@ def _extend_kernel(
 ):
     tile = tl.program_id(0)
     # the dtype of the dot products: the cache's; with an FP8 cache, float16 (or float32 queries' float32)
-    kv_dtype = fp8_kv_dot_dtype(q_ptr.dtype.element_ty) if KV_FP8 else k_ptr.dtype.element_ty
+    kv_dtype = fp8_dot_dtype(q_ptr.dtype.element_ty) if KV_FP8 else k_ptr.dtype.element_ty
     kv_head = tl.program_id(1) // HEAD_SPLITS
     first_head = kv_head * GROUP + (tl.program_id(1) % HEAD_SPLITS) * HEADS_PER_PROG
     offs_v = tl.program_id(2) * VALUE_DIM + tl.arange(0, VALUE_DIM)  # the output columns of this program
@@ -236,7 +237,7 @@ def _extend_kernel(
         mask=m_ok[:, None],
         other=0.0,
     )
-    q = dot_query(q, kv_dtype)
+    q = as_dot_operand(q, kv_dtype)
 
     seq_len = tl.load(seq_lens_ptr + req)
     req_to_token_row = req_to_token_ptr + tl.load(req_pool_ptr + req).to(tl.int64) * stride_req

@@ -41,26 +41,6 @@ def row_kv_bounds(pos, seq_len, window, SLIDING: tl.constexpr):
     return start, end
 
 
-@triton.constexpr_function
-def fp8_kv_dot_dtype(q_dtype: tl.dtype) -> tl.dtype:
-    """The dtype FP8 K/V blocks widen to for the dot products with a `q_dtype` query: float16 for a 16-bit
-    query, float32 for a float32 one. sm90 widens e4m3 pairs to float16 in one instruction, and to bfloat16
-    only through float16 and then one scalar F2F per element (256 a thread per 64-token block of head_dim 256
-    in the decode kernel; H100, FP8 weights + KV, batch 32: E4B 4.50 -> 4.45 ms/step, 26B-A4B 13.20 -> 13.02).
-    Every e4m3 value is exact in float16, and so is a bf16 query within float16's normal range (`dot_query`
-    saturates it beyond)."""
-    return tl.float32 if q_dtype == tl.float32 else tl.float16
-
-
-@triton.jit
-def dot_query(q, DOT_DTYPE: tl.constexpr):
-    """The query as the dot products' operand: float16 saturates at its largest finite value instead of
-    overflowing to inf (a normed query is orders of magnitude below it)."""
-    if DOT_DTYPE == tl.float16:
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0)
-    return q.to(DOT_DTYPE)
-
-
 def dot_precision(dtype_is_fp32: bool) -> str:
     """fp32 inputs get exact fp32 products (the reference checks at 1e-4); others the tensor-core path."""
     return "ieee" if dtype_is_fp32 else "tf32"

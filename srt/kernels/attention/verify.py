@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from srt.kernels.attention.decode import DecodeConfig, combine_splits, kv_split_len
-from srt.kernels.attention.paged_kv import LOG2E, dot_precision, dot_query, fp8_kv_dot_dtype, kv_slots, row_kv_bounds
+from srt.kernels.attention.paged_kv import LOG2E, dot_precision, kv_slots, row_kv_bounds
 from srt.kernels.kv_quant import is_fp8_kv
-from srt.kernels.triton_support import pdl_launch, pdl_start
+from srt.kernels.triton_support import as_dot_operand, fp8_dot_dtype, pdl_launch, pdl_start
 
 # query rows x heads per program at most (the MMA's M): the float32 accumulator M x head_dim over 4 warps
 # stays at 128 registers a thread up to head_dim 512
@@ -83,7 +83,7 @@ def _verify_split_kernel(
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    kv_dtype = fp8_kv_dot_dtype(q_ptr.dtype.element_ty) if KV_FP8 else k_ptr.dtype.element_ty
+    kv_dtype = fp8_dot_dtype(q_ptr.dtype.element_ty) if KV_FP8 else k_ptr.dtype.element_ty
     score_scale = k_scale * LOG2E if KV_FP8 else LOG2E
     # before the wait: the tile table, positions, lengths and slot tables are laid out before the step's layers
     req = tl.load(tiles_ptr + tile)
@@ -114,7 +114,7 @@ def _verify_split_kernel(
     q = tl.load(
         q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=m_ok[:, None], other=0.0
     )
-    q = dot_query(q, kv_dtype)
+    q = as_dot_operand(q, kv_dtype)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

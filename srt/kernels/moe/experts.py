@@ -14,11 +14,12 @@ Kernel 2, grid (row blocks, cdiv(hidden, BLOCK_N)): act[slot] x down_proj[e] tim
 stored to `out[slot]` [num_slots, hidden]; the caller sums the top_k slots of each token.
 Blocks past num_rows return at once: the grid is sized from shapes alone, so nothing is read back to the host.
 
-FP8 weights (W_FP8; `Experts.quantize_fp8`): each float8_e4m3fn tile is upcast to the activations' dtype
-before the dot (exact: every e4m3 value is a bf16 and an fp16 value), and the float32 accumulator's columns
-are multiplied by their output channel's scale in the epilogue: before gelu(gate) * up in kernel 1, before
-the routing weight in kernel 2. x @ (q * s).T == (x @ q.T) * s, so this is the dequantized GEMM with half
-the weight bytes streamed.
+FP8 weights (W_FP8; `Experts.quantize_fp8`): each float8_e4m3fn tile is widened before the dot, and the float32
+accumulator's columns are multiplied by their output channel's scale in the epilogue: before gelu(gate) * up in
+kernel 1, before the routing weight in kernel 2. x @ (q * s).T == (x @ q.T) * s, so this is the dequantized GEMM
+with half the weight bytes streamed. Both operands go to float16 (`triton_support.fp8_dot_dtype`: one cvt per two
+weights, where bfloat16 takes three), 16-bit rows saturated at float16's largest value: exact for every e4m3
+weight and for bf16 rows of magnitude 2^-17 to 65504; float32 rows stay float32.
 
 W8A8 (`ExpertsConfig.w8a8`: prefill sizes on GPUs with FP8 tensor cores): the rows come in quantized too, as
 float8_e4m3fn with a float32 scale per row (`fp8_quant.quantize_fp8`: per token for kernel 1, per slot of
@@ -35,7 +36,16 @@ from dataclasses import dataclass
 import torch
 
 from srt.kernels.gelu_mul import gelu_tanh_f32
-from srt.kernels.triton_support import dot_options, has_fp8_tensor_cores, jit, kernel_runs_on, tl, triton
+from srt.kernels.triton_support import (
+    as_dot_operand,
+    dot_options,
+    fp8_dot_dtype,
+    has_fp8_tensor_cores,
+    jit,
+    kernel_runs_on,
+    tl,
+    triton,
+)
 
 
 @dataclass(frozen=True)
@@ -134,7 +144,9 @@ def _gate_up_kernel(
         w_ok = k_ok[:, None] & col_ok[None, :]
         w_gate = tl.load(gate_ptrs + k0, mask=w_ok, other=0.0)
         w_up = tl.load(up_ptrs + k0, mask=w_ok, other=0.0)
-        if W_FP8:  # weight-only: upcast to x's dtype; W8A8: x is FP8 already and nothing converts
+        if W_FP8 and not A_FP8:  # weight-only: both operands in float16 (module docstring)
+            x = as_dot_operand(x, fp8_dot_dtype(x.dtype))
+        if W_FP8:  # weight-only: widen to x's dtype; W8A8: x is FP8 already and nothing converts
             w_gate, w_up = w_gate.to(x.dtype), w_up.to(x.dtype)
         if UPCAST:
             x, w_gate, w_up = x.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
@@ -207,6 +219,8 @@ def _down_kernel(
         k_ok = offs_k < INTER - k0
         a = tl.load(act_ptrs + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs + k0, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if W_FP8 and not A_FP8:
+            a = as_dot_operand(a, fp8_dot_dtype(a.dtype))
         if W_FP8:
             w = w.to(a.dtype)
         if UPCAST:

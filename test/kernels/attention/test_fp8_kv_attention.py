@@ -93,7 +93,7 @@ def test_fp8_verify_rows_match_torch_native(
 @pytest.mark.parametrize("mode", ["decode", "extend", "verify"])
 def test_fp8_kv_with_bf16_queries_matches_torch_native(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 queries over FP8 K/V: the kernels multiply in float16 (e4m3 widens to it in one instruction on sm90,
-    `paged_kv.fp8_kv_dot_dtype`), within bf16's tolerance of the float32 reference over the same FP8 values."""
+    `triton_support.fp8_dot_dtype`), within bf16's tolerance of the float32 reference over the same FP8 values."""
     monkeypatch.setattr(triton_backend, "VERIFY_KERNEL_MIN_REQUESTS", 1)
     torch.manual_seed(15)
     state = fp8_state(2, 1, WINDOW)

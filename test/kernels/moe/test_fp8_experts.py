@@ -158,6 +158,23 @@ def test_fp8_triton_matches_dequantized_loop(tokens: int, dtype: torch.dtype) ->
 
 
 @requires_triton
+def test_fp8_blocks_saturate_16_bit_rows_at_float16_max() -> None:
+    """Weight-only FP8 blocks multiply 16-bit rows as float16 (one cvt per two weights on sm90), saturated at
+    65504 rather than overflowing: a token with 1e6 activations gets a finite output (inf and NaN without the
+    saturation), and the other tokens' rows, each its own, stay the dequantized loop's."""
+    experts = fp8_copy(make_experts(8, 32, 16, torch.float32))
+    hidden = torch.randn(6, 32, generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.bfloat16)
+    hidden[2, :4] = 1e6
+    weights, ids = make_routing(6, 8, 2)
+    with torch.no_grad():
+        out = run_fp8("triton", experts, hidden, weights, ids).float()
+        exact = experts.forward_reference(hidden.float(), weights, ids)
+    assert torch.isfinite(out).all()
+    others = torch.tensor([0, 1, 3, 4, 5], device=DEVICE)
+    assert relative_error(out[others], exact[others]) < BF16_TOL
+
+
+@requires_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swap_ab_blocks_match_the_loop(dtype: torch.dtype) -> None:
     """The kernels' swapped product (w @ x.T).T, on FP8 and on 16-bit weights."""
