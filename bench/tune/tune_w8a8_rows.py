@@ -37,6 +37,7 @@ from srt.layers.fp8_linear import Fp8Linear
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: timing.py
 from timing import time_cuda, write_json  # noqa: E402
+from tune_w8a8_chunks import layer  # noqa: E402  (bench/tune/: the script's own folder)
 
 LAYERS = 12
 FLOOR_BYTES_PER_S = 3.0e12
@@ -139,16 +140,6 @@ def _launch(x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scal
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, STAGES=tiles.stages, GATED=gated,
         USE_PDL=bool(launch), INTERPRETED=is_interpreted(_w8a8_rows_kernel), num_warps=tiles.warps, **launch,
     )  # fmt: skip
-
-
-def layer(n: int, k: int, seed: int) -> Fp8Linear:
-    """A random per-channel FP8 layer on the GPU."""
-    weight = torch.randn(n, k, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)) / k**0.5
-    out = Fp8Linear(k, n, None, device="cuda")
-    scale = weight.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448
-    out.weight.copy_((weight / scale).to(torch.float8_e4m3fn))
-    out.weight_scale.copy_(out.scale_from_checkpoint(scale))
-    return out
 
 
 def summed(out: torch.Tensor) -> torch.Tensor:
