@@ -97,6 +97,11 @@ FP8_DECODE_SWEEP = [
     ExpertsConfig(16, 32, 64, 512, 4, 2),
     ExpertsConfig(16, 32, 32, 512, 4, 2),
     ExpertsConfig(16, 32, 64, 256, 2, 4),
+    # wider and deeper, for the float16 widening (one cvt per two weights, stop 48): not swept yet
+    ExpertsConfig(16, 64, 128, 256, 4, 4),
+    ExpertsConfig(16, 64, 64, 128, 4, 6),
+    ExpertsConfig(16, 32, 64, 128, 4, 8),
+    ExpertsConfig(16, 128, 128, 128, 8, 4),
 ]
 
 
