@@ -97,11 +97,15 @@ FP8_DECODE_SWEEP = [
     ExpertsConfig(16, 32, 64, 512, 4, 2),
     ExpertsConfig(16, 32, 32, 512, 4, 2),
     ExpertsConfig(16, 32, 64, 256, 2, 4),
-    # wider and deeper, for the float16 widening (one cvt per two weights, stop 48): not swept yet
+    # wider and deeper, for the float16 widening (one cvt per two weights, stop 48)
     ExpertsConfig(16, 64, 128, 256, 4, 4),
     ExpertsConfig(16, 64, 64, 128, 4, 6),
     ExpertsConfig(16, 32, 64, 128, 4, 8),
     ExpertsConfig(16, 128, 128, 128, 8, 4),
+    # swapped: the float16 weight tile is wgmma's A operand, read from registers
+    ExpertsConfig(16, 64, 64, 128, 4, 4, swap_ab=True),
+    ExpertsConfig(16, 64, 64, 256, 4, 3, swap_ab=True),
+    ExpertsConfig(16, 128, 128, 128, 4, 3, swap_ab=True),
 ]
 
 
