@@ -17,7 +17,7 @@ srt's FP8 kernel 3.35 / 4.31 ms, its fastest tiles 2.68 / 3.22, "fp16" 1.92 / 2.
 
 - "fp16": the same kernel with fp16 operands: e4m3 -> fp16 is one cvt per two values, a third of the
   conversions, and x goes bf16 -> fp16 (a [rows, BLOCK_K] tile per step, small next to the weight tile). Exact
-  for |x| < 65504 and |x| >= 2^-17 (bf16's 8 bits fit fp16's there); larger activations overflow to inf.
+  for |x| < 65504 and |x| >= 2^-17 (bf16's 8 bits fit fp16's there); larger activations saturate at 65504.
 - "swap_fp16" / "swap_bf16": out^T = w @ x^T, so the weight tile is the MMA's long side (BLOCK_N a multiple of
   64) and Triton can issue wgmma, the upcast weights as its register operand and x^T read from shared memory;
   bf16 separates what the swap gains from what the cheaper conversion gains.
@@ -40,7 +40,16 @@ from srt.kernels.decode_gemm import GATED, GemmTiles
 from srt.kernels.decode_gemm_fp8 import chained_fp8_possible, decode_fp8_tiles, tma_operands
 from srt.kernels.fp8_quant import FP8_MAX, MIN_ABSMAX, quantize_tile_rows
 from srt.kernels.gelu_mul import gelu_tanh_mul_rounded
-from srt.kernels.triton_support import dot_options, jit, pdl_launch, pdl_start, round_to, ticket_counters, tl
+from srt.kernels.triton_support import (
+    as_dot_operand,
+    dot_options,
+    jit,
+    pdl_launch,
+    pdl_start,
+    round_to,
+    ticket_counters,
+    tl,
+)
 
 
 class Variant(NamedTuple):
@@ -246,8 +255,8 @@ def _decode_gemm_fp8_variant_kernel(
         x = x_desc.load([0, k])
         if OPERAND == tl.float8e4nv:
             x, x_scale = quantize_tile_rows(x, FP8_MAX, MIN_ABSMAX, INTERPRETED)
-        else:
-            x, x_scale = x.to(OPERAND), 1.0
+        else:  # float16 saturates at its largest value
+            x, x_scale = as_dot_operand(x, OPERAND), 1.0
         w_scales = scale_ptr + offs_n * scale_cols + k // SCALE_K  # this K-step's block scales (not PER_CHANNEL)
         acc = _step(acc, x, x_scale, w_desc.load([n0, k]), w_scales, PER_CHANNEL, OPERAND, SWAP, INTERPRETED,
                     PRECISION)  # fmt: skip

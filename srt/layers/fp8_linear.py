@@ -12,9 +12,10 @@ Storage (`Fp8Linear`):
 
 GEMMs (`fp8_linear`, what `Fp8Linear.forward` runs; `layers/linear.py` sends decode sizes to the chained GEMM):
 
-- decode (<= 32 rows, Hopper): the chained Triton GEMM reads the FP8 tiles, upcasts them to the activation
-  dtype and applies the scales (per output column in the epilogue, per K-block inside the loop), weight-only:
-  half the bytes of a bf16 weight, which is what a memory-bound decode step pays for (`kernels/decode_gemm_fp8.py`);
+- decode (<= 32 rows, Hopper): chained Triton GEMMs read the FP8 tiles, widen them to float16 (the activations
+  too, saturated at 65504) and apply the scales (per output column in the epilogue, per K-block inside the loop),
+  weight-only: half the bytes of a bf16 weight, which is what a memory-bound decode step pays for
+  (`kernels/decode_gemm_fp16.py`; one row: `kernels/decode_gemv_fp8.py`);
 - larger on CUDA, per-channel: activations quantized per token (dynamic, absmax / 448; `kernels/fp8_quant.py`),
   then `torch._scaled_mm` with row-wise scales (FP8 tensor cores);
 - larger on CUDA, block-scaled: activations quantized per token and 128-column group, then a Triton GEMM on FP8

@@ -31,12 +31,7 @@ from torch import nn
 
 from srt.kernels.decode_gemm import GATED, decode_gelu_mlp, decode_gemm_applies, decode_linear
 from srt.kernels.decode_gemm_fp8 import decode_fp8_applies, decode_gelu_mlp_fp8, decode_linear_fp8
-from srt.kernels.decode_gemm_fp8_variants import (
-    decode_gelu_mlp_w8a8,
-    decode_linear_w8a8,
-    decode_w8a8_applies,
-    w8a8_splits,
-)
+from srt.kernels.decode_gemm_fp16 import decode_fp16_applies, decode_gelu_mlp_fp16, decode_linear_fp16
 from srt.kernels.decode_gemv_fp8 import decode_gelu_mlp_gemv, decode_gemv_applies, decode_linear_gemv, gemv_splits
 from srt.kernels.gelu_mul import gelu_tanh_mul_packed
 from srt.layers.fp8_linear import Fp8Linear, stack_fp8
@@ -89,8 +84,8 @@ def gelu_mlp(x: torch.Tensor, gate_up: nn.Linear | Fp8Linear) -> torch.Tensor:
     if isinstance(gate_up, Fp8Linear):
         if decode_gemv_applies(x, gate_up.weight, gate_up.block_k, GATED):
             return decode_gelu_mlp_gemv(x, gate_up.weight, gate_up.weight_scale)
-        if decode_w8a8_applies(x, gate_up.weight, gate_up.block_k, GATED):
-            return decode_gelu_mlp_w8a8(x, gate_up.weight, gate_up.weight_scale, gate_up.block_k)
+        if decode_fp16_applies(x, gate_up.weight, gate_up.block_k, gated=True):
+            return decode_gelu_mlp_fp16(x, gate_up.weight, gate_up.weight_scale, gate_up.block_k)
         if decode_fp8_applies(x, gate_up.weight, gate_up.block_k, GATED):
             return decode_gelu_mlp_fp8(x, gate_up.weight, gate_up.weight_scale, gate_up.block_k)
         return gelu_tanh_mul_packed(gate_up(x))
@@ -129,15 +124,14 @@ def linear_partials(
 
 def _fp8_partials(x: torch.Tensor, linear: Fp8Linear) -> torch.Tensor:
     """The chained FP8 GEMM's partial sums where it applies: for one row the CUDA-core kernel (weight-only, over
-    `gemv_splits` K-chunks; on an H100 1.15-1.3x faster than W8A8 there), else W8A8 over `w8a8_splits` K-chunks
-    where its tiles fit (1.5-2x faster than weight-only on the tensor cores, whose e4m3 -> bf16 conversions bound
-    it), else weight-only over TRITON_SPLITS; else the FP8 layer's plain product."""
+    `gemv_splits` K-chunks; on an H100 1.15-1.3x faster than the tensor cores there), else the weight-only float16
+    product with the weight tile as wgmma's operand (`kernels/decode_gemm_fp16.py`), else weight-only over
+    TRITON_SPLITS (bf16 operands); else the FP8 layer's plain product."""
     gemv_chunks = gemv_splits(*linear.weight.shape)
     if decode_gemv_applies(x, linear.weight, linear.block_k, gemv_chunks):
         return decode_linear_gemv(x, linear.weight, linear.weight_scale, gemv_chunks)
-    splits = w8a8_splits(linear.weight.shape[0], x.shape[1], linear.block_k)
-    if decode_w8a8_applies(x, linear.weight, linear.block_k, splits):
-        return decode_linear_w8a8(x, linear.weight, linear.weight_scale, linear.block_k, splits)
+    if decode_fp16_applies(x, linear.weight, linear.block_k):
+        return decode_linear_fp16(x, linear.weight, linear.weight_scale, linear.block_k)
     if decode_fp8_applies(x, linear.weight, linear.block_k, TRITON_SPLITS):
         return decode_linear_fp8(x, linear.weight, linear.weight_scale, linear.block_k, TRITON_SPLITS)
     return linear(x)

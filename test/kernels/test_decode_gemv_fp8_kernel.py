@@ -179,7 +179,7 @@ def test_one_row_fp8_projections_take_the_gemv() -> None:
         x = torch.randn(1, k, device="cuda").bfloat16()
         splits = GATED if kind == GATED else gemv_splits(n, k)
         assert decode_gemv_applies(x, layer.weight, layer.block_k, splits), (n, k)
-        assert not decode_gemv_applies(torch.cat([x, x]), layer.weight, layer.block_k, splits)  # 2 rows: W8A8
+        assert not decode_gemv_applies(torch.cat([x, x]), layer.weight, layer.block_k, splits)  # 2 rows: tensor cores
         out = gelu_mlp(x, layer) if splits == GATED else project(x, layer)
         assert out.shape[0] == splits or splits in (1, GATED), (n, k, out.shape)
         form = splits if splits == GATED or out.dim() == 3 else 1  # one K-chunk: the product in x's dtype
