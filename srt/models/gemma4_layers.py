@@ -206,6 +206,8 @@ class Gemma4DecoderLayer(nn.Module):
             mlp_out = add_rms_norms_of_parts(
                 mlp_out, norm_1.weight, norm_1.eps, expert_terms, norm_2.weight, norm_2.eps
             )
+        else:
+            mlp_out = self.mlp(mlp_input)
         if not self.ple_dim:
             return add_norm_then_norm(self.post_feedforward_layernorm, mlp_out, residual, next_norm, self.layer_scalar)
         # the layer scalar multiplies the layer's last sum: the per-layer-input one here
