@@ -54,6 +54,12 @@ SRT_FP8_GEMV = Switch(
     "at import",
     "One-row FP8 projections on the CUDA-core kernel (Hopper); 0 gives them to the W8A8 tensor-core GEMM (A/B runs).",
 )
+SRT_MOE_SIDE_STREAM = Switch(
+    "SRT_MOE_SIDE_STREAM",
+    True,
+    "at import",
+    "An MoE layer's dense MLP on a side stream beside its router and experts (CUDA); 0 runs it first (A/B runs).",
+)
 SRT_DEBUG_KV_INDICES = Switch(
     "SRT_DEBUG_KV_INDICES",
     False,
@@ -61,7 +67,7 @@ SRT_DEBUG_KV_INDICES = Switch(
     "1 checks every KV slot index before it reaches a kernel (slow; for debugging out-of-range reads).",
 )
 
-SWITCHES = (GEMMA4_YOCO, SRT_TRITON_GEMM, SRT_PDL, SRT_FP8_GEMV, SRT_DEBUG_KV_INDICES)
+SWITCHES = (GEMMA4_YOCO, SRT_TRITON_GEMM, SRT_PDL, SRT_FP8_GEMV, SRT_MOE_SIDE_STREAM, SRT_DEBUG_KV_INDICES)
 
 SRT_SIMULATE_ACCEPT_LEN = "SRT_SIMULATE_ACCEPT_LEN"
 
