@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from srt.configs.model_config import AttentionLayerSpec, ModelConfig
 from srt.kernels.attention import decode as dk
+from srt.kernels.kv_quant import is_fp8_kv
 from srt.mem_cache.allocator import SWATokenAllocator
 from srt.mem_cache.kv_pool import HybridKVPool, layer_kv_bytes
 from srt.mem_cache.req_to_token_pool import ReqToTokenPool
@@ -135,10 +136,10 @@ def build_inputs(
     )
 
 
-def default_candidate(spec: AttentionLayerSpec, batch_size: int, num_sms: int) -> Candidate:
-    """What the triton backend launches today for this layer and batch."""
+def default_candidate(spec: AttentionLayerSpec, batch_size: int, num_sms: int, kv_dtype: torch.dtype) -> Candidate:
+    """What the triton backend launches today for this layer, batch and KV dtype."""
     splits = dk.num_kv_splits(batch_size, spec.num_kv_heads, num_sms)
-    return Candidate(splits, dk.default_decode_config(spec.head_dim, on_gpu=True))
+    return Candidate(splits, dk.default_decode_config(spec.head_dim, True, splits, is_fp8_kv(kv_dtype)))
 
 
 def grid_candidates(grid: dict[str, tuple[int, ...]]) -> list[Candidate]:
@@ -276,7 +277,7 @@ def main() -> None:
     grid = grid_candidates(QUICK_GRID if args.quick else FULL_GRID)
     shapes = [(m, spec, b, c) for m, spec in layers for b in args.batch_sizes for c in args.contexts]
     candidates = {
-        (m, spec, b): sorted({*grid, default_candidate(spec, b, sms)}, key=Candidate.sort_key)
+        (m, spec, b): sorted({*grid, default_candidate(spec, b, sms, kv_dtype)}, key=Candidate.sort_key)
         for m, spec, b, _ in shapes
     }
     if args.jobs > 0:  # the kernels do not depend on batch or context: one compile per layer and candidate
@@ -293,7 +294,7 @@ def main() -> None:
         name = shape_name(model, spec, batch_size, context)
         bar.set_postfix_str(name)
         inputs = build_inputs(spec, batch_size, context, device, kv_dtype)
-        default = default_candidate(spec, batch_size, sms)
+        default = default_candidate(spec, batch_size, sms, kv_dtype)
         sweep = sweep_shape(inputs, default, candidates[model, spec, batch_size], args.repeats, bar)
         default_us, best = sweep["default"]["us"], sweep["best"]
         bar.write(

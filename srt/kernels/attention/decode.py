@@ -46,14 +46,17 @@ class DecodeConfig:
     num_stages: int
 
 
-def default_decode_config(head_dim: int, on_gpu: bool) -> DecodeConfig:
+def default_decode_config(head_dim: int, on_gpu: bool, num_splits: int = 0, fp8_kv: bool = False) -> DecodeConfig:
     if not on_gpu:
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
     # from H100 sweeps of chained calls over distinct layers' KV (bench/bench_attention.py --chain --sweep):
     # head_dim 256 takes 64-token blocks (E4B sliding, batch 32: 18.2 vs 19.9 us a call with 32-token ones;
     # batch 1 with 8 splits: 5.2 vs 5.4); 512 keeps 32-token blocks and 2 stages
     if head_dim == 256:
-        return DecodeConfig(block_n=64, num_warps=4, num_stages=1)
+        # one split walks a row's whole range, where a second stage hides the loads (FP8 KV, 26B-A4B sliding,
+        # batch 32: 41.6 vs 45.9 us, tune-decode-attention-fp8kv-h100.json); with many splits it does not pay
+        stages = 2 if fp8_kv and num_splits == 1 else 1
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=stages)
     if head_dim >= 512:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
     return DecodeConfig(block_n=64, num_warps=4, num_stages=3)

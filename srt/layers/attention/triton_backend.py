@@ -41,6 +41,7 @@ from srt.kernels.attention.extend import (
     extend_attention,
 )
 from srt.kernels.attention.verify import verify_attention, verify_tile_rows
+from srt.kernels.kv_quant import is_fp8_kv
 from srt.layers.attention.base import AttentionBackend
 from srt.mem_cache.allocator import check_indices, debug_kv_indices
 
@@ -260,7 +261,7 @@ def _decode(q: torch.Tensor, out: torch.Tensor, meta: TritonAttentionMetadata, k
         kv.window,
         splits,
         _partials(meta, q, splits),
-        default_decode_config(head_dim, q.device.type == "cuda"),
+        default_decode_config(head_dim, q.device.type == "cuda", splits, is_fp8_kv(kv.k_buffer.dtype)),
         kv.k_scale,
         kv.v_scale,
     )
@@ -305,7 +306,7 @@ def _verify(
         kv.window,
         splits,
         _partials(meta, q, splits),
-        default_decode_config(head_dim, q.device.type == "cuda"),
+        default_decode_config(head_dim, q.device.type == "cuda", splits, is_fp8_kv(kv.k_buffer.dtype)),
         kv.k_scale,
         kv.v_scale,
     )
