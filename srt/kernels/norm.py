@@ -109,10 +109,12 @@ def sum_partials(partials: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _add_rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, scale_ptr, out_ptr, next_weight_ptr, next_out_ptr,
     expert_weight_ptr, expert_out_ptr, router_scale_ptr, router_out_ptr, residual_weight_ptr,
-    stride_x_split, stride_x, stride_residual, stride_residual_part, stride_out, stride_next_out, n_cols, eps,
-    next_eps, router_scalar, residual_eps,
+    then_residual_ptr, then_weight_ptr,
+    stride_x_split, stride_x, stride_residual, stride_residual_part, stride_out, stride_next_out, stride_then_residual,
+    n_cols, eps, next_eps, router_scalar, residual_eps, then_eps,
     SPLITS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_SCALE: tl.constexpr, NEXT_NORM: tl.constexpr,
-    MOE_NORMS: tl.constexpr, RESIDUAL_PARTS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    MOE_NORMS: tl.constexpr, RESIDUAL_PARTS: tl.constexpr, THEN_ADD: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -130,6 +132,8 @@ def _add_rms_norm_kernel(
         router_scale = tl.load(router_scale_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if RESIDUAL_PARTS:
         residual_weight = tl.load(residual_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if THEN_ADD:
+        then_weight = tl.load(then_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     pdl_start(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     residual = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
@@ -151,6 +155,10 @@ def _add_rms_norm_kernel(
     # round where torch does: the norm's output, the sum, the product with the scale
     normed = round_to(normed, dtype)
     out = round_to(residual + normed, dtype)
+    if THEN_ADD:  # that sum is itself normed and added to a second residual stream (`moe_outputs_add_then_norm`)
+        then_rstd = 1.0 / tl.sqrt(tl.sum(out * out, axis=0) / n_cols + then_eps)
+        then_residual = tl.load(then_residual_ptr + row * stride_then_residual + cols, mask=mask, other=0.0)
+        out = round_to(then_residual.to(tl.float32) + round_to(out * then_rstd * then_weight, dtype), dtype)
     if HAS_SCALE:
         out = round_to(out * scale, dtype)
     tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=mask)
@@ -237,6 +245,43 @@ def add_rms_norms_of_parts(
     return _add_rms_norm(x, parts, weight, eps, None, None, 0.0, use_triton, parts_norm=(parts_weight, parts_eps))[0]
 
 
+class ThenAdd(NamedTuple):
+    """A second residual add after the first sum: residual + RMSNorm(sum) * weight (eps `eps`)."""
+
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+
+def moe_outputs_add_then_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    parts: torch.Tensor,
+    parts_weight: torch.Tensor,
+    parts_eps: float,
+    then_add: ThenAdd,
+    next_weight: torch.Tensor | None,
+    next_eps: float,
+    scale: torch.Tensor | None = None,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An MoE layer's end in one kernel: `add_rms_norms_of_parts` (the dense MLP's output x and the expert slots),
+    then `add_rms_norm_then_norm` of that sum onto `then_add`'s residual, scaled: (summed, next norm or None).
+    Two kernels otherwise, the second waiting for the first's rows (26B-A4B, 32 rows: 7.6 + 2.1 us a layer)."""
+    if parts.dim() != 3:
+        raise ValueError(f"moe_outputs_add_then_norm: parts must be [tokens, P, hidden], got {list(parts.shape)}")
+    if then_add.residual.shape != parts[:, 0].shape:
+        raise ValueError(
+            f"moe_outputs_add_then_norm: residual {list(then_add.residual.shape)} vs parts {list(parts.shape)}"
+        )
+    summed, normed, _ = _add_rms_norm(
+        x, parts, weight, eps, scale, next_weight, next_eps, use_triton, parts_norm=(parts_weight, parts_eps),
+        then_add=then_add,
+    )  # fmt: skip
+    return summed, normed
+
+
 class MoeNorms(NamedTuple):
     """The norms a Gemma 4 MoE layer takes of its residual stream besides the dense MLP's: the experts' input norm
     (weight `expert_weight`) and the router's scale-free norm times `router_scale` times `router_scalar`."""
@@ -275,9 +320,11 @@ def _add_rms_norm(
     use_triton: bool | None,
     moe: MoeNorms | None = None,
     parts_norm: tuple[torch.Tensor, float] | None = None,
+    then_add: ThenAdd | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """(summed, the next norm of it or None, the MoE norms of it or None). With `parts_norm` (weight, eps) the
-    residual comes as parts [tokens, P, hidden] whose normed sum is the residual (`add_rms_norms_of_parts`)."""
+    residual comes as parts [tokens, P, hidden] whose normed sum is the residual (`add_rms_norms_of_parts`); with
+    `then_add` the sum is normed and added to a second residual before the scale and the next norm."""
     partials = x.dim() == 3
     parts = residual if parts_norm is not None else None
     if parts is not None:
@@ -291,7 +338,11 @@ def _add_rms_norm(
             x = sum_partials(x, residual.dtype)
         if parts is not None:
             residual = rms_norm_reference(parts.sum(dim=1), parts_norm[0], parts_norm[1])
-        summed = add_rms_norm_reference(x, residual, weight, eps, scale)
+        if then_add is None:
+            summed = add_rms_norm_reference(x, residual, weight, eps, scale)
+        else:
+            inner = add_rms_norm_reference(x, residual, weight, eps)
+            summed = add_rms_norm_reference(inner, then_add.residual, then_add.weight, then_add.eps, scale)
         normed = None if next_weight is None else rms_norm_reference(summed, next_weight, next_eps)
         return summed, normed, None if moe is None else moe_norms_reference(summed, moe, next_eps)
     x = last_dim_contiguous(x)
@@ -306,16 +357,19 @@ def _add_rms_norm(
         launch = pdl_launch(x.device, _add_rms_norm_kernel)
         expert_weight, router_scale, router_scalar = moe if moe is not None else (x, x, 0.0)
         residual_weight, residual_eps = parts_norm if parts_norm is not None else (x, 0.0)
+        then_residual, then_weight, then_eps = then_add if then_add is not None else (out, x, 0.0)
         _add_rms_norm_kernel[(tokens,)](
             x, residual, weight if weight is not None else x, scale if scale is not None else x, out,
             next_weight if next_weight is not None else x, next_out if next_out is not None else out,
             expert_weight, moe_out[0] if moe_out else out, router_scale, moe_out[1] if moe_out else out,
-            residual_weight, x.stride(0) if partials else 0, x.stride(-2), residual.stride(0),
-            residual.stride(1) if parts is not None else 0, out.stride(0), out.stride(0),
-            hidden, eps, next_eps, router_scalar, residual_eps,  # next_out and the MoE norms: as out
+            residual_weight, then_residual, then_weight, x.stride(0) if partials else 0, x.stride(-2),
+            residual.stride(0), residual.stride(1) if parts is not None else 0, out.stride(0), out.stride(0),
+            then_residual.stride(0),  # next_out and the MoE norms: as out
+            hidden, eps, next_eps, router_scalar, residual_eps, then_eps,
             SPLITS=x.shape[0] if partials else 1, HAS_WEIGHT=weight is not None, HAS_SCALE=scale is not None,
             NEXT_NORM=next_weight is not None, MOE_NORMS=moe is not None,
-            RESIDUAL_PARTS=parts.shape[1] if parts is not None else 0, BLOCK=block, USE_PDL=bool(launch),
+            RESIDUAL_PARTS=parts.shape[1] if parts is not None else 0, THEN_ADD=then_add is not None,
+            BLOCK=block, USE_PDL=bool(launch),
             num_warps=add_norm_warps(block, tokens), **launch,
         )  # fmt: skip
     return out, next_out, moe_out

@@ -18,10 +18,12 @@ from srt.distributed.collectives import reduce_sum
 from srt.forward.forward_batch import ForwardBatch
 from srt.kernels.norm import (
     MoeNorms,
+    ThenAdd,
     add_rms_norm,
     add_rms_norm_then_moe_norms,
     add_rms_norm_then_norm,
     add_rms_norms_of_parts,
+    moe_outputs_add_then_norm,
 )
 from srt.kernels.per_layer_projection import per_layer_input_projection
 from srt.kernels.qkv_store import QKVLayout, qkv_norm_rope_store
@@ -203,6 +205,13 @@ class Gemma4DecoderLayer(nn.Module):
             if self.tp_size > 1:
                 expert_terms = reduce_sum(expert_terms, self.tp_size).unsqueeze(1)
             norm_1, norm_2 = self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2
+            if not self.ple_dim:  # the parts' two norms, their sum, its norm and the residual add in one kernel
+                post = self.post_feedforward_layernorm
+                return moe_outputs_add_then_norm(
+                    mlp_out, norm_1.weight, norm_1.eps, expert_terms, norm_2.weight, norm_2.eps,
+                    ThenAdd(residual, post.weight, post.eps), next_norm.weight if next_norm else None,
+                    next_norm.eps if next_norm else 0.0, self.layer_scalar,
+                )  # fmt: skip
             mlp_out = add_rms_norms_of_parts(
                 mlp_out, norm_1.weight, norm_1.eps, expert_terms, norm_2.weight, norm_2.eps
             )

@@ -13,12 +13,14 @@ from kernel_inputs import DEVICE, EPS, assert_within_ulps, random_weight
 from srt.kernels.norm import (
     PREFILL_ROWS,
     MoeNorms,
+    ThenAdd,
     add_norm_warps,
     add_rms_norm,
     add_rms_norm_reference,
     add_rms_norm_then_moe_norms,
     add_rms_norm_then_norm,
     add_rms_norms_of_parts,
+    moe_outputs_add_then_norm,
     rms_norm,
     rms_norm_reference,
     sum_partials,
@@ -201,6 +203,50 @@ def test_add_rms_norms_of_parts(dtype: torch.dtype, partials: bool, num_parts: i
     summed_x = sum_partials(cpu[0], dtype) if partials else cpu[0]
     ops = add_rms_norm_reference(summed_x, rms_norm_reference(cpu[1].sum(dim=1), cpu[3], 1e-5), cpu[2], EPS)
     assert torch.equal(reference, ops)
+
+
+@pytest.mark.parametrize("with_next", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_outputs_add_then_norm(dtype: torch.dtype, with_next: bool) -> None:
+    """An MoE layer's end in one kernel: the values of `add_rms_norms_of_parts`, then `add_rms_norm_then_norm`
+    of its sum onto the residual with the layer scalar, the two kernels it replaces."""
+    generator = torch.Generator().manual_seed(11)
+    tokens, hidden, num_parts = 3, 96, 8
+    x = (3 * torch.randn(2, tokens, hidden, generator=generator)).to(DEVICE)  # the dense MLP's K-split partials
+    parts = torch.randn(tokens, num_parts, hidden, generator=generator).to(DEVICE, dtype)
+    residual = (2 * torch.randn(tokens, hidden, generator=generator)).to(DEVICE, dtype)
+    weight, parts_weight, post_weight, next_weight = (
+        random_weight(hidden, generator).to(DEVICE, dtype) for _ in range(4)
+    )
+    scale = torch.tensor([0.75], device=DEVICE, dtype=dtype)
+    then_add = ThenAdd(residual, post_weight, 2e-6)
+    got, got_next = moe_outputs_add_then_norm(
+        x, weight, EPS, parts, parts_weight, 1e-5, then_add, next_weight if with_next else None, 3e-6, scale,
+        use_triton=True,
+    )  # fmt: skip
+    mlp_out = add_rms_norms_of_parts(x, weight, EPS, parts, parts_weight, 1e-5, use_triton=True)
+    expected, expected_next = add_rms_norm_then_norm(
+        mlp_out, residual, post_weight, 2e-6, next_weight, 3e-6, scale, use_triton=True
+    )
+    assert got.dtype == dtype and got.shape == (tokens, hidden) and (got_next is not None) == with_next
+    pairs = [(got, expected)] + ([(got_next, expected_next)] if with_next else [])
+    for value, oracle in pairs:
+        if dtype == torch.float32:
+            torch.testing.assert_close(value, oracle, rtol=1e-5, atol=1e-5)
+        else:  # float32 summation order and 1/sqrt noise may flip the last bit of a rounded step
+            assert_within_ulps(value, oracle, oracle.abs() + residual.float().abs(), 2)
+            assert (value == oracle).float().mean() > 0.9
+    cpu = [t.cpu() for t in (x, parts, weight, parts_weight, residual, post_weight, next_weight, scale)]
+    reference, reference_next = moe_outputs_add_then_norm(
+        cpu[0], cpu[2], EPS, cpu[1], cpu[3], 1e-5, ThenAdd(cpu[4], cpu[5], 2e-6), cpu[6], 3e-6, cpu[7]
+    )  # the reference path: torch's ops exactly
+    inner = add_rms_norms_of_parts(cpu[0], cpu[2], EPS, cpu[1], cpu[3], 1e-5)
+    assert torch.equal(reference, add_rms_norm_reference(inner, cpu[4], cpu[5], 2e-6, cpu[7]))
+    assert torch.equal(reference_next, rms_norm_reference(reference, cpu[6], 3e-6))
+    with pytest.raises(ValueError, match="residual"):
+        moe_outputs_add_then_norm(
+            x, weight, EPS, parts, parts_weight, 1e-5, ThenAdd(residual[:2], post_weight, 1e-6), None, 0.0
+        )
 
 
 @pytest.mark.parametrize("splits", [2, 3])
