@@ -17,10 +17,11 @@ and rounds as the GEMM would (`kernels/norm.py`, `kernels/rope.py`, `kernels/qkv
   reduction kernel: on an H100, E4B down 21.3 vs 24.0 us at 32 rows, o of full layers 10.7 vs 12.7), else
   the plain product.
 
-FP8 projections (`Fp8Linear`, `layers/fp8_linear.py`) go through the same three functions: at decode sizes the
-chained GEMM over their FP8 weights (`kernels/decode_gemm_fp8.py`, the same outputs and partial sums), else
-their own GEMM (`fp8_linear`). `stack_linears` stacks them (weights and scales) and `store_transposed` leaves
-them as they are: they are stored the way their GEMMs read them.
+FP8 projections (`Fp8Linear`, `layers/fp8_linear.py`) go through the same three functions: at decode sizes a
+chained kernel over their FP8 weights with the same outputs and partial sums (one row: `kernels/decode_gemv_fp8.py`;
+2-32 rows: `kernels/decode_gemm_fp16.py`; else `kernels/decode_gemm_fp8.py`), else their own GEMM (`fp8_linear`).
+`stack_linears` stacks them (weights and scales) and `store_transposed` leaves them as they are: they are stored
+the way their GEMMs read them.
 """
 
 from __future__ import annotations
