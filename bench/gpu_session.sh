@@ -55,7 +55,8 @@ stage_decode() {  # decode at batch 1 and 32 (512-token context) and the 7000-to
 stage_fp8() {  # bf16 vs --quantization fp8 side by side: decode E4B batch 1 and 32, 31B batch 1 (512-token
     # context), prefill 1 x 7000 of E4B, then the FP8 kernels' GPU tests. FP8_MODELS overrides "E4B:1 32;31B:1",
     # FP8_PREFILL_MODELS "E4B"; FP8_PARTS (default "decode prefill tests") splits the stage over device calls;
-    # FP8_EXTRA: more flags for the FP8 runs (e.g. "--kv-cache-dtype fp8_e4m3", #26's FP8 weights and KV).
+    # FP8_EXTRA: more flags for the FP8 runs, decode and prefill (e.g. "--kv-cache-dtype fp8_e4m3", #26's FP8
+    # weights and KV: its prefill spills registers in the extend kernel, docs/benchmarks.md).
     # With --quantization fp8 the floors count the dense projections at one byte per weight (MoE experts at 16 bits).
     parts=" ${FP8_PARTS:-decode prefill tests} "
     IFS=';' read -ra runs <<<"${FP8_MODELS:-E4B:1 32;31B:1}"
@@ -71,8 +72,8 @@ stage_fp8() {  # bf16 vs --quantization fp8 side by side: decode E4B batch 1 and
     done
     [[ $parts == *" prefill "* ]] && for model in ${FP8_PREFILL_MODELS:-E4B}; do
         for quant in bf16 fp8; do
-            flag="" && [ $quant = fp8 ] && flag="--quantization fp8"
-            echo "--- $model $quant prefill 1 x 7000"
+            flag="" && [ $quant = fp8 ] && flag="--quantization fp8 ${FP8_EXTRA:-}"
+            echo "--- $model $quant prefill 1 x 7000 $flag"
             timeout 240 $BENCH --model-path gemma-4-$model-it $flag --batch-size 1 --input-len 7000 --output-len 2 \
                 --json "$RESULTS/fp8-prefill-$model-$quant.json" 2>&1 | grep -E "^batch|Error|error"
         done

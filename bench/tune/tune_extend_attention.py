@@ -1,18 +1,18 @@
 """Sweep the block shape of the extend (prefill) attention kernel at Gemma 4 prefill shapes, on one GPU.
 
     PYTHONPATH=. python bench/tune/tune_extend_attention.py [--tokens 8192] [--models ...] [--json out.json] \\
-        [--kinds sliding full] [--block-m 64 128] [--value-splits 1 2 4]
+        [--kinds sliding full] [--block-m 64 128] [--value-splits 1 2 4] [--kv-cache-dtype fp8_e4m3]
 
 Shapes: the first sliding and the first full attention layer of each model (heads, KV heads, head_dim and
-window from srt's presets), bf16, one prompt of --tokens tokens prefilled whole (no cached prefix), its K/V
-in a one-layer pool laid out as the server's is. For each shape every block_m x heads_per_prog x block_n x
-num_warps x num_stages x value_splits of the grid (plus the current default, `default_extend_config`) runs
-`extend_attention` once, its output is compared with the default's (max abs diff), then it is timed as a
-CUDA-graph replay (`timing.time_cuda`, median). Configs that do not compile or launch (shared memory,
-registers) are recorded with their error and skipped. Per shape it prints the default's time, the best
-config's and their rate in TFLOP/s of the attention the rows need (QK and PV over the visible positions,
-2 FLOPs a multiply-add; recomputed scores of value_splits > 1 not counted). All results go to --json, or to
-$OUT/tune_extend_attention.json when $OUT is set.
+window from srt's presets), bf16 (FP8 K/V with --kv-cache-dtype fp8_e4m3, scales 1), one prompt of --tokens
+tokens prefilled whole (no cached prefix), its K/V in a one-layer pool laid out as the server's is. For each
+shape every block_m x heads_per_prog x block_n x num_warps x num_stages x value_splits of the grid (plus the
+current default, `default_extend_config`) runs `extend_attention` once, its output is compared with the
+default's (max abs diff), then it is timed as a CUDA-graph replay (`timing.time_cuda`, median). Configs that do
+not compile or launch (shared memory, registers) are recorded with their error and skipped. Per shape it prints
+the default's time, the best config's and their rate in TFLOP/s of the attention the rows need (QK and PV over
+the visible positions, 2 FLOPs a multiply-add; recomputed scores of value_splits > 1 not counted). All results
+go to --json, or to $OUT/tune_extend_attention.json when $OUT is set.
 
 Compiling the variants takes longer than timing them: --jobs worker processes first compile every variant
 on a tiny prompt with the same specialisation into Triton's on-disk cache.
@@ -72,6 +72,12 @@ class ExtendInputs:
     window: int | None
     flops: float  # QK and PV over the positions each row sees
 
+    def default_config(self) -> ExtendConfig:
+        """What the triton backend launches for this layer and KV dtype."""
+        _, num_heads, head_dim = self.q.shape
+        group = num_heads // self.k_buffer.shape[1]
+        return default_extend_config(head_dim, group, on_gpu=True, element_size=self.k_buffer.element_size())
+
     def run(self, out: torch.Tensor, config: ExtendConfig, tiles: torch.Tensor) -> None:
         extend_attention(
             self.q, out, self.k_buffer, self.v_buffer, self.req_to_token, self.full_to_swa, tiles,
@@ -93,17 +99,19 @@ def tuned_layers(
     return layers
 
 
-def build_inputs(spec: AttentionLayerSpec, tokens: int, device: torch.device) -> ExtendInputs:
-    """Random bf16 q and K/V of one `tokens`-token prompt in a one-layer pool."""
+def build_inputs(
+    spec: AttentionLayerSpec, tokens: int, device: torch.device, kv_dtype: torch.dtype = DTYPE
+) -> ExtendInputs:
+    """Random bf16 q and K/V (`kv_dtype`) of one `tokens`-token prompt in a one-layer pool."""
     spec = dataclasses.replace(spec, layer_id=0, kv_owner=0)  # the only layer of its pool
     allocator = SWATokenAllocator(tokens, tokens, device)
-    pool = HybridKVPool([spec], allocator, DTYPE, device)
+    pool = HybridKVPool([spec], allocator, kv_dtype, device)
     req_to_token = ReqToTokenPool(1, REQ_TO_TOKEN_COLUMNS, device)
     row = req_to_token.alloc()
     req_to_token.write(row, 0, allocator.alloc(tokens))
     k_buffer, v_buffer = pool.kv_buffers(0)
-    k_buffer.normal_()
-    v_buffer.normal_()
+    for buffer in (k_buffer, v_buffer):  # float8 tensors have no normal_: drawn in bf16, then cast
+        buffer.copy_(torch.randn(buffer.shape, device=device, dtype=DTYPE).to(buffer.dtype))
     positions = torch.arange(tokens, device=device)
     visible = (positions + 1).clamp(max=spec.sliding_window or tokens)
     return ExtendInputs(
@@ -121,11 +129,11 @@ def build_inputs(spec: AttentionLayerSpec, tokens: int, device: torch.device) ->
     )
 
 
-def grid_configs(spec: AttentionLayerSpec) -> list[ExtendConfig]:
+def grid_configs(spec: AttentionLayerSpec, kv_dtype: torch.dtype = DTYPE) -> list[ExtendConfig]:
     """The grid for one layer: heads per program 1, 2, 4 (up to its GQA group), the query rows filling block_m."""
     group = spec.num_heads // spec.num_kv_heads
     per_prog = [h for h in (1, 2, 4) if h <= group]
-    configs = {default_extend_config(spec.head_dim, group, on_gpu=True)}
+    configs = {default_extend_config(spec.head_dim, group, on_gpu=True, element_size=kv_dtype.itemsize)}
     for block_m, heads, block_n, warps, stages, splits in product(
         GRID["block_m"], per_prog, GRID["block_n"], GRID["warps"], GRID["stages"], GRID["value_splits"]
     ):
@@ -144,9 +152,10 @@ def fits(config: ExtendConfig, head_dim: int) -> bool:
     return accumulator <= 128 and shared <= 228 * 1024
 
 
-def _compile_worker(spec: AttentionLayerSpec, configs: list[ExtendConfig]) -> int:
+def _compile_worker(layer: tuple[AttentionLayerSpec, torch.dtype], configs: list[ExtendConfig]) -> int:
     """(Worker process) launch each config once on a tiny prompt, so Triton compiles it into its disk cache."""
-    inputs = build_inputs(spec, tokens=64, device=torch.device("cuda"))
+    spec, kv_dtype = layer
+    inputs = build_inputs(spec, tokens=64, device=torch.device("cuda"), kv_dtype=kv_dtype)
     out = torch.empty_like(inputs.q)
     failed = 0
     for config in configs:
@@ -193,16 +202,19 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", choices=("sliding", "full"), default=["sliding", "full"])
     parser.add_argument("--block-m", type=int, nargs="+", default=list(GRID["block_m"]), help="The grid's M values.")
     parser.add_argument("--value-splits", type=int, nargs="+", default=list(GRID["value_splits"]))
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3"), default="auto",
+                        help="K/V of the pool: auto (bf16) or fp8_e4m3 (the scales 1).")  # fmt: skip
     args = parser.parse_args()
     GRID.update(block_m=tuple(args.block_m), value_splits=tuple(args.value_splits))
     if not torch.cuda.is_available():
         raise SystemExit("tune_extend_attention needs a CUDA device")
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, triton {triton.__version__}")
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype == "fp8_e4m3" else DTYPE
     layers = tuned_layers(args.models, args.kinds)
-    configs = {spec: grid_configs(spec) for _, spec in layers}
+    configs = {spec: grid_configs(spec, kv_dtype) for _, spec in layers}
     if args.jobs > 0:
-        precompile(_compile_worker, list(configs.items()), args.jobs, chunk=4)
+        precompile(_compile_worker, [((spec, kv_dtype), c) for spec, c in configs.items()], args.jobs, chunk=4)
 
     torch.manual_seed(0)
     results = []
@@ -211,8 +223,8 @@ def main() -> None:
         short, kind = model.removeprefix("gemma-4-").removesuffix("-it"), spec.layer_type.split("_")[0]
         name = f"{short} {kind} d{spec.head_dim} {spec.num_heads}/{spec.num_kv_heads} x{args.tokens}"
         bar.set_postfix_str(name)
-        inputs = build_inputs(spec, args.tokens, device)
-        default = default_extend_config(spec.head_dim, spec.num_heads // spec.num_kv_heads, on_gpu=True)
+        inputs = build_inputs(spec, args.tokens, device, kv_dtype)
+        default = inputs.default_config()
         default_record = time_config(inputs, default, None, args.repeats)
         reference = default_record.pop("out")
         tolerance = REL_DIFF_TOL * float(reference.float().abs().max())
@@ -244,7 +256,8 @@ def main() -> None:
         for c in top:
             print(f"{'':34} {describe(c):>42}")
     payload = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-               "triton": triton.__version__, "grid": GRID, "results": results}  # fmt: skip
+               "triton": triton.__version__, "kv_cache_dtype": args.kv_cache_dtype, "grid": GRID,
+               "results": results}  # fmt: skip
     path = write_json(args.json, "tune_extend_attention.json", payload)
     if path is not None:
         print(f"wrote {path}")
