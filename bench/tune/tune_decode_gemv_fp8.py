@@ -5,13 +5,14 @@ minutes:
     python3 bench/tune/tune_decode_gemv_fp8.py --out $OUT/tune-decode-gemv-fp8-h100.json
     python3 bench/tune/tune_decode_gemv_fp8.py --models E4B --rows 1     # narrower
 
-Per (projection, rows): the FP8 bytes' floor over the measured copy bandwidth, srt's W8A8 GEMM as `layers/linear.py`
-calls it (`w8a8_splits` K-chunks, srt's tiles), and every GEMV config of the grid (BLOCK_N, BLOCK_K, warps, and
-for partial sums every K-chunk count that divides), timed as `tune_decode_gemm_fp8.py` times (a CUDA graph of
-chained calls over weight copies that overflow L2, median of 10 replays), each checked against the dequantized
-product first. Printed: the fastest GEMV per projection, and per model and rows the decode step's projections
-summed (W8A8, each shape's fastest GEMV, srt's tiles and K-chunks, and each single tile at its best K-chunks per
-shape); `--srt-tiles` times srt's tiles (`gemv_tiles`) at every K-chunk count instead of the grid.
+Per (projection, rows): the FP8 bytes' floor over the measured copy bandwidth, the W8A8 GEMM as `layers/linear.py`
+called it before the float16 products (`w8a8_splits` K-chunks, its tiles), and every GEMV config of the grid
+(BLOCK_N, BLOCK_K, warps, and for partial sums every K-chunk count that divides), timed as
+`tune_decode_gemm_fp8.py` times (a CUDA graph of chained calls over weight copies that overflow L2, median of 10
+replays), each checked against the dequantized product first. Printed: the fastest GEMV per projection, and per
+model and rows the decode step's projections summed (W8A8, each shape's fastest GEMV, srt's tiles and K-chunks,
+and each single tile at its best K-chunks per shape); `--srt-tiles` times srt's tiles (`gemv_tiles`) at every
+K-chunk count instead of the grid.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ In the model (H100, FP8 weights + FP8 KV, 512-token context, against W8A8; docs/
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from srt.kernels.decode_gemm import GemmTiles
@@ -32,6 +34,7 @@ WAVE_PROGRAMS = 128  # about one per SM of an H100 (132)
 MAX_CHUNKS = 16
 
 
+@functools.cache  # asked twice a projection (applies, then the launch) on every eager decode-sized step
 def fp16_plan(n: int, k: int, block_k: int) -> tuple[GemmTiles, int] | None:
     """(tiles, K-chunks) for an [n, k] FP8 weight (each half for a gated one) with `block_k` columns per scale: the
     fewest chunks whose programs fill a wave (WAVE_PROGRAMS), each in the widest K-steps that divide it and the

@@ -1,6 +1,7 @@
-"""Variants of the FP8 decode GEMM (`decode_gemm_fp8.py`): the W8A8 one is srt's decode path for FP8 projections
-(`decode_linear_w8a8`, `decode_gelu_mlp_w8a8`, called by `layers/linear.py` where `decode_w8a8_applies`); the
-others are for the sweep (bench/tune/tune_decode_gemm_fp8.py) to time against it (#26).
+"""Variants of the FP8 decode GEMM (`decode_gemm_fp8.py`): "swap_fp16" is srt's decode path for FP8 projections at
+2-32 rows (called through `decode_gemm_fp16.py`); W8A8 (`decode_linear_w8a8`, `decode_gelu_mlp_w8a8`, where
+`decode_w8a8_applies`) was that path before it and stays as the sweeps' baseline; the others are for the sweep
+(bench/tune/tune_decode_gemm_fp8.py) to time against them (#26).
 
 Why the default kernel streams FP8 weights no faster than bf16 ones on an H100 (sm90): with 1-32 rows,
 x [16 or 32, K] @ w^T is too short for Hopper's wgmma (Triton needs the MMA's M to be a multiple of 64), so it
@@ -78,7 +79,7 @@ def decode_linear_fp8_variant(
 ) -> torch.Tensor:
     """`decode_linear_fp8` (same arguments and outputs) computed as `VARIANTS[variant]`; call where `tiles` (by
     default the weight-only kernel's) fit as `decode_fp8_applies` checks them (swapped variants: BLOCK_N a
-    multiple of 64; srt's W8A8 path: `decode_w8a8_applies`), or on CPU tensors under TRITON_INTERPRET=1."""
+    multiple of 64; W8A8: `decode_w8a8_applies`), or on CPU tensors under TRITON_INTERPRET=1."""
     rows, n = x.shape[0], weight.shape[0]
     shape = (rows, n) if splits == 1 else (splits, rows, n)
     out = torch.empty(shape, dtype=x.dtype if splits == 1 else torch.float32, device=x.device)
