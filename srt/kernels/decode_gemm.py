@@ -56,6 +56,9 @@ class GemmTiles(NamedTuple):
 TILES = {1: GemmTiles(256, 64, 4), 4: GemmTiles(128, 64, 5), GATED: GemmTiles(128, 64, 4)}
 NARROW_TILES = GemmTiles(64, 128, 4)
 MIN_CTAS = 80
+# the MoE router (N = 128 experts, K = 2816 on 26B-A4B): 64-column tiles over 256-wide K-chunks give 2 x 11 CTAs,
+# each one chunk of the weight, whose float32 partials the top-k kernel sums (`kernels/moe/routing.py`)
+ROUTER_TILES = GemmTiles(64, 256, 2)
 
 
 def tiles_for(splits: int | str, n: int) -> GemmTiles | None:
@@ -94,15 +97,17 @@ def _decode_gemm_kernel(
     tl.store(out, acc.to(dtype), mask=(offs_m < rows)[:, None])
 
 
-def decode_gemm_applies(x: torch.Tensor, weight: torch.Tensor, splits: int | str) -> bool:
-    """Whether `decode_linear` (splits 1 or 4) or `decode_gelu_mlp` (splits GATED) runs this product: CUDA with
-    TMA (Hopper), <= 32 rows of a 16-bit dtype, weight stored transposed (a view of a contiguous [K, N]) with
-    N (each half of it for GATED) and K multiples of the tiles."""
+def decode_gemm_applies(
+    x: torch.Tensor, weight: torch.Tensor, splits: int | str, tiles: GemmTiles | None = None
+) -> bool:
+    """Whether `decode_linear` (splits 1 or 4, or any with `tiles`) or `decode_gelu_mlp` (splits GATED) runs this
+    product: CUDA with TMA (Hopper), <= 32 rows of a 16-bit dtype, weight stored transposed (a view of a
+    contiguous [K, N]) with N (each half of it for GATED) and K multiples of the tiles."""
     if not (ENABLED and TensorDescriptor is not None and x.is_cuda and has_pdl(x.device)):
         return False
     rows, k = x.shape
     n = weight.shape[0] // 2 if splits == GATED else weight.shape[0]
-    tiles = tiles_for(splits, n)
+    tiles = tiles or tiles_for(splits, n)
     if tiles is None:
         return False
     chunks = 1 if splits == GATED else splits

@@ -38,6 +38,7 @@ from srt.layers.embedding import ScaledEmbedding
 from srt.layers.layernorm import RMSNorm
 from srt.layers.linear import store_transposed
 from srt.layers.logits_processor import LogitsOutput, compute_logits
+from srt.layers.moe.router import Router
 from srt.layers.rotary import RotaryEmbedding
 from srt.models.gemma4_layers import Gemma4Attention, Gemma4DecoderLayer, Gemma4MLP
 from srt.multimodal.inputs import ImageEmbeds
@@ -218,7 +219,7 @@ class Gemma4ForCausalLM(nn.Module):
         """Stack projections that read the same input into one matmul each and store every projection weight
         transposed (`stack_linears`); call once, after loading weights."""
         for module in self.modules():
-            if isinstance(module, (Gemma4Attention, Gemma4MLP)):
+            if isinstance(module, (Gemma4Attention, Gemma4MLP, Router)):
                 module.fuse_projections()
         # the LM head too (cuBLAS: 482 -> 449 us at 32 rows); a tied embedding's lookup then gathers strided
         # columns (`kernels/embedding.py`), which costs little next to it

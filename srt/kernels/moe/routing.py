@@ -10,6 +10,10 @@ cancels), so the other E - k exponentials are never computed. "Not yet taken" is
 overwrite, so -inf logits are still chosen lowest id first. A NaN logit never equals the maximum; the lowest
 untaken id is taken then, so ids always index real experts.
 
+The logits may come as float32 partial sums over K-chunks ([splits, T, E], `kernels/decode_gemm.py`, the router
+projection at decode sizes): the kernel sums them and rounds the sum to the projection's dtype, as the unchunked
+product would have been rounded, before anything else.
+
 `topk_routing_reference` is the torch math (the CPU path and the oracle). Tie rule, shared by both: experts
 are ranked by their float32 logit, highest first, and among equal logits the lower expert id comes first.
 (transformers ranks softmax probabilities with `torch.topk`, whose order among equal values is unspecified;
@@ -23,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from srt.kernels.triton_support import jit, last_dim_contiguous, runs_triton, tl, triton
+from srt.kernels.triton_support import jit, last_dim_contiguous, round_to, runs_triton, tl, triton
 
 
 @jit
@@ -33,14 +37,22 @@ def _topk_routing_kernel(
     weights_ptr,
     ids_ptr,
     stride_logits,
+    stride_split,
     NUM_EXPERTS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    LOGITS_DTYPE: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     offs_e = tl.arange(0, BLOCK_E)
-    x = tl.load(logits_ptr + token * stride_logits + offs_e, mask=offs_e < NUM_EXPERTS, other=0.0).to(tl.float32)
+    row = logits_ptr + token * stride_logits + offs_e
+    x = tl.load(row, mask=offs_e < NUM_EXPERTS, other=0.0).to(tl.float32)
+    if SPLITS > 1:  # partial sums over K-chunks: their sum, rounded as the whole product would have been
+        for split in tl.static_range(1, SPLITS):
+            x += tl.load(row + split * stride_split, mask=offs_e < NUM_EXPERTS, other=0.0)
+        x = round_to(x, LOGITS_DTYPE)
     taken = offs_e >= NUM_EXPERTS  # padding lanes never win
     offs_k = tl.arange(0, BLOCK_K)
     top_logits = tl.full([BLOCK_K], float("-inf"), tl.float32)
@@ -81,15 +93,34 @@ def topk_routing_reference(router_logits: torch.Tensor, per_expert_scale: torch.
     return RoutingResult(top_weights * per_expert_scale[top_ids].float(), top_ids.to(torch.int32))
 
 
+def sum_partials(partials: torch.Tensor) -> torch.Tensor:
+    """The float32 sum of [splits, T, E] partial sums in the kernel's order (first split first)."""
+    total = partials[0].clone()
+    for part in partials[1:]:
+        total += part
+    return total
+
+
 def topk_routing(
-    router_logits: torch.Tensor, per_expert_scale: torch.Tensor, top_k: int, use_triton: bool | None = None
+    router_logits: torch.Tensor,
+    per_expert_scale: torch.Tensor,
+    top_k: int,
+    use_triton: bool | None = None,
+    logits_dtype: torch.dtype | None = None,
 ) -> RoutingResult:
-    """(weights float32 [T, k], ids int32 [T, k]) of logits [T, E] (float32, bfloat16 or float16); one launch,
-    one program per token. `use_triton` as in kernels/norm.py."""
-    if not runs_triton(router_logits.device, use_triton, _topk_routing_kernel):
+    """(weights float32 [T, k], ids int32 [T, k]) of logits [T, E] (float32, bfloat16 or float16), or of float32
+    partial sums [splits, T, E] whose sum rounded to `logits_dtype` is the logits; one launch, one program per
+    token. `use_triton` as in kernels/norm.py."""
+    if router_logits.dim() == 3:
+        if logits_dtype is None:
+            raise ValueError("topk_routing: partial sums [splits, T, E] need logits_dtype")
+        if not runs_triton(router_logits.device, use_triton, _topk_routing_kernel):
+            return topk_routing_reference(sum_partials(router_logits).to(logits_dtype), per_expert_scale, top_k)
+    elif not runs_triton(router_logits.device, use_triton, _topk_routing_kernel):
         return topk_routing_reference(router_logits, per_expert_scale, top_k)
-    tokens, num_experts = router_logits.shape
-    router_logits = last_dim_contiguous(router_logits)
+    splits = router_logits.shape[0] if router_logits.dim() == 3 else 1
+    router_logits = router_logits.contiguous() if splits > 1 else last_dim_contiguous(router_logits)
+    tokens, num_experts = router_logits.shape[-2:]
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int32, device=router_logits.device)
     if tokens == 0:
@@ -100,8 +131,11 @@ def topk_routing(
         per_expert_scale,
         weights,
         ids,
-        router_logits.stride(0),
+        router_logits.stride(-2),
+        router_logits.stride(0) if splits > 1 else 0,
         NUM_EXPERTS=num_experts,
+        SPLITS=splits,
+        LOGITS_DTYPE=getattr(tl, str(logits_dtype or router_logits.dtype).removeprefix("torch.")),
         TOP_K=top_k,
         BLOCK_E=block_e,
         BLOCK_K=triton.next_power_of_2(top_k),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.kernels.moe.routing import topk_routing, topk_routing_reference
+from srt.kernels.moe.routing import sum_partials, topk_routing, topk_routing_reference
 from srt.layers.moe.router import Router
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -89,6 +89,25 @@ def test_strided_logits_and_other_shapes() -> None:
     assert_matches_reference(wide[:, :16].contiguous(), expert_scales(16), top_k=4)  # the tiny preset's shape
 
 
+@pytest.mark.parametrize("logits_dtype", [torch.bfloat16, torch.float16])
+def test_partial_sums_are_summed_then_rounded(logits_dtype: torch.dtype) -> None:
+    """[splits, T, E] float32 partials (the router's chained decode GEMM): the kernel routes their sum rounded to
+    the projection's dtype, ties included (partials whose sums land on few values)."""
+    generator = torch.Generator().manual_seed(17)
+    partials = torch.randn(11, 5, EXPERTS, generator=generator).to(DEVICE)
+    tied = torch.randint(-2, 3, (11, 3, EXPERTS), generator=generator).float().to(DEVICE) / 4
+    for parts in (partials, tied):
+        weights, ids = topk_routing(parts, expert_scales(), TOP_K, use_triton=True, logits_dtype=logits_dtype)
+        logits = sum_partials(parts).to(logits_dtype)
+        expected_weights, expected_ids = topk_routing_reference(logits, expert_scales(), TOP_K)
+        assert torch.equal(ids, expected_ids)
+        torch.testing.assert_close(weights, expected_weights, atol=WEIGHT_TOL, rtol=0)
+        reference = topk_routing(parts, expert_scales(), TOP_K, use_triton=False, logits_dtype=logits_dtype)
+        assert torch.equal(reference.expert_ids, expected_ids) and torch.equal(reference.weights, expected_weights)
+    with pytest.raises(ValueError, match="logits_dtype"):
+        topk_routing(partials, expert_scales(), TOP_K)
+
+
 def test_no_tokens() -> None:
     weights, ids = topk_routing(torch.empty(0, EXPERTS, device=DEVICE), expert_scales(), TOP_K, use_triton=True)
     assert weights.shape == ids.shape == (0, TOP_K)
@@ -156,3 +175,23 @@ def test_gpu_router_runs_the_fused_kernel() -> None:
     assert torch.equal(ids, fused.expert_ids) and torch.equal(weights, fused.weights)  # the kernel ran
     assert torch.equal(ids, expected_ids)
     torch.testing.assert_close(weights, expected_weights, atol=WEIGHT_TOL, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 8, 32, 33])
+def test_gpu_router_at_decode_sizes_runs_the_chained_gemm(tokens: int) -> None:
+    """26B-A4B's router shape: <= 32 rows take the K-chunked Triton GEMM whose partials the top-k kernel sums;
+    its logits are the cuBLAS product's up to float32 summation order, so the routing is the same on these
+    tie-free inputs (33 rows take cuBLAS: the same path as the reference)."""
+    router = Router(2816, EXPERTS, TOP_K, 1e-6).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        router.proj.weight.normal_(0, 0.05)
+        router.per_expert_scale.uniform_(0.5, 1.5)
+        router.fuse_projections()
+        router_input = torch.randn(tokens, 2816, device=DEVICE, dtype=torch.bfloat16)
+        weights, ids = router.route(router_input)
+        router.backend = "torch"
+        expected_weights, expected_ids = router.route(router_input)
+    assert router.proj.weight.t().is_contiguous()
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, atol=1e-2, rtol=0)  # one bf16 ulp of a logit at most
