@@ -60,6 +60,13 @@ SRT_MOE_SIDE_STREAM = Switch(
     "at import",
     "An MoE layer's dense MLP on a side stream beside its router and experts (CUDA); 0 runs it first (A/B runs).",
 )
+SRT_L2_PREFETCH = Switch(
+    "SRT_L2_PREFETCH",
+    True,
+    "at import",
+    "Chained FP8 decode projections prefetch their first weight bytes into L2 before they wait for the kernel ahead "
+    "(Hopper); 0 does not (A/B runs).",
+)
 SRT_DEBUG_KV_INDICES = Switch(
     "SRT_DEBUG_KV_INDICES",
     False,
@@ -67,7 +74,15 @@ SRT_DEBUG_KV_INDICES = Switch(
     "1 checks every KV slot index before it reaches a kernel (slow; for debugging out-of-range reads).",
 )
 
-SWITCHES = (GEMMA4_YOCO, SRT_TRITON_GEMM, SRT_PDL, SRT_FP8_GEMV, SRT_MOE_SIDE_STREAM, SRT_DEBUG_KV_INDICES)
+SWITCHES = (
+    GEMMA4_YOCO,
+    SRT_TRITON_GEMM,
+    SRT_PDL,
+    SRT_FP8_GEMV,
+    SRT_MOE_SIDE_STREAM,
+    SRT_L2_PREFETCH,
+    SRT_DEBUG_KV_INDICES,
+)
 
 SRT_SIMULATE_ACCEPT_LEN = "SRT_SIMULATE_ACCEPT_LEN"
 

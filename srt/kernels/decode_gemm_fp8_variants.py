@@ -45,8 +45,10 @@ from srt.kernels.triton_support import (
     as_dot_operand,
     dot_options,
     jit,
+    l2_prefetch_bytes,
     pdl_launch,
     pdl_start,
+    prefetch_l2,
     round_to,
     ticket_counters,
     tl,
@@ -203,6 +205,11 @@ def w8a8_gated_plan(n: int, k: int, block_k: int) -> tuple[GemmTiles, int]:
 
 
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8e4nv"}
+# the weight bytes of each of a program's rows that it prefetches into L2 before its wait (`prefetch_l2`); H100,
+# E4B FP8 weights + KV, batch 1 / 32 ms a step with this and the GEMV's cap (2026-11-28, l2-prefetch-*.json): none
+# 2.95 / 4.16-4.17, 128 2.94 / 4.13, 256 2.91 / 4.08-4.10, 512 2.92 / 4.10, 1024 3.05 / 4.18, 4096 3.62 / 4.70
+# (the more the programs prefetch, the more the lines they need next wait behind the prefetched ones)
+PREFETCH_ROW_BYTES = 256
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int, out: torch.Tensor,
@@ -219,8 +226,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k:
     if gated_splits > 1:
         partials = torch.empty((splits, 2, rows, n), dtype=torch.float32, device=x.device)
         tickets = ticket_counters("fp8_gated_gemm", x.device, n // tiles.block_n)
+    prefetch = l2_prefetch_bytes(x.device, _decode_gemm_fp8_variant_kernel, k // splits, PREFETCH_ROW_BYTES)
     _decode_gemm_fp8_variant_kernel[(n // tiles.block_n, splits)](
-        x_desc, w_desc, scale, out, partials, tickets, rows, n, k // splits, n if gated else 0, scale.shape[1],
+        x_desc, w_desc, weight, scale, out, partials, tickets, rows, n, k, k // splits, n if gated else 0,
+        scale.shape[1], PREFETCH=prefetch,
         # per-channel scales: SCALE_K unused, 1 rather than K so that one compiled kernel serves every K
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SCALE_K=block_k if block_k < k else 1,
         PER_CHANNEL=block_k >= k, STAGES=tiles.stages, GATED=gated, GATED_SPLITS=gated_splits, USE_PDL=bool(launch),
@@ -231,8 +240,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k:
 
 @jit
 def _decode_gemm_fp8_variant_kernel(
-    x_desc, w_desc, scale_ptr, out_ptr, partials_ptr, tickets_ptr, rows, n, k_per_split, up_offset, scale_cols,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_K: tl.constexpr,
+    x_desc, w_desc, w_ptr, scale_ptr, out_ptr, partials_ptr, tickets_ptr, rows, n, k, k_per_split, up_offset,
+    scale_cols, PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SCALE_K: tl.constexpr,
     PER_CHANNEL: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr, GATED_SPLITS: tl.constexpr,
     USE_PDL: tl.constexpr,
     OPERAND: tl.constexpr, SWAP: tl.constexpr, INTERPRETED: tl.constexpr, PRECISION: tl.constexpr,
@@ -241,11 +251,15 @@ def _decode_gemm_fp8_variant_kernel(
     """`_decode_gemm_fp8_kernel`'s product with OPERAND operands; with SWAP the accumulators are [BLOCK_N, BLOCK_M]
     (out^T). INTERPRETED: float32 operands (Triton's interpreter, `triton_support.dot_options`). GATED_SPLITS > 1:
     a gated GEMM over K-chunks; each chunk stores its float32 gate and up sums to partials [chunks, 2, rows, n],
-    and the chunk that draws a column block's last ticket sums them in chunk order and applies the gelu."""
+    and the chunk that draws a column block's last ticket sums them in chunk order and applies the gelu.
+    PREFETCH: the bytes of each of its weight rows (w_ptr [N, k]) a program prefetches into L2 before its wait."""
     n0 = tl.program_id(0) * BLOCK_N
     split = tl.program_id(1)
     k_start = split * k_per_split
     offs_n = n0 + tl.arange(0, BLOCK_N)
+    prefetch_l2(w_ptr + offs_n.to(tl.int64) * k + k_start, PREFETCH)
+    if GATED:
+        prefetch_l2(w_ptr + (up_offset + offs_n).to(tl.int64) * k + k_start, PREFETCH)
     pdl_start(USE_PDL)  # x comes from the kernel ahead
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)

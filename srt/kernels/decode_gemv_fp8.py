@@ -28,7 +28,17 @@ import torch
 from srt import envs
 from srt.kernels.decode_gemm import ENABLED, GATED
 from srt.kernels.gelu_mul import gelu_tanh_mul_rounded
-from srt.kernels.triton_support import jit, kernel_runs_on, pdl_launch, pdl_start, round_to, tl, triton
+from srt.kernels.triton_support import (
+    jit,
+    kernel_runs_on,
+    l2_prefetch_bytes,
+    pdl_launch,
+    pdl_start,
+    prefetch_l2,
+    round_to,
+    tl,
+    triton,
+)
 
 MAX_ROWS = 4
 SRT_TAKES_IT = ENABLED and envs.SRT_FP8_GEMV.enabled()  # SRT_TRITON_GEMM=0 or SRT_FP8_GEMV=0: never (A/B)
@@ -45,11 +55,12 @@ class GemvTiles(NamedTuple):
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, out_ptr, rows, n, k, k_per_split, up_offset, up_bytes,
     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, GATED: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     """out[split, :, N-block] = x[:, K-chunk] @ (w * scale)[N-block, K-chunk]^T, w [N, K] e4m3 bytes row-major,
     scale [N] float32; GATED: gelu(x @ gate^T) * (x @ up^T) with the up rows at up_offset (up_bytes = up_offset *
-    k), rounded as torch."""
+    k), rounded as torch. PREFETCH: the bytes of each of its weight rows a program prefetches into L2 before its
+    wait."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = tl.program_id(1) * k_per_split
     offs_k = tl.arange(0, BLOCK_K)
@@ -59,6 +70,10 @@ def _fp8_gemv_kernel(
     x_mask = offs_r[:, None, None] < rows
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros_like(acc)
+    row_starts = w_ptr + offs_n.to(tl.int64) * k + k_start  # constant weights: prefetched before the wait
+    prefetch_l2(row_starts, PREFETCH)
+    if GATED:
+        prefetch_l2(row_starts + up_bytes, PREFETCH)
     pdl_start(USE_PDL)  # x comes from the kernel ahead
     # Triton's software pipeline keeps STAGES - 1 K-steps of weights in flight (through shared memory)
     for step in tl.range(0, k_per_split, BLOCK_K, num_stages=STAGES):
@@ -98,6 +113,9 @@ MAX_STEPS = 8
 # to fill them all. E4B at batch 1 (H100, 2026-11-27): down in 2 chunks (320 programs) 21 us a layer in the model
 # against 11.7 alone, a decode step 3.43 ms; 4 chunks 3.17, 8 (1280 programs) 3.12, 10 3.14.
 FILLING_PROGRAMS = 1024
+# the weight bytes of each of a program's rows that it prefetches into L2 before its wait (`prefetch_l2`): the
+# sweep's cap, as the float16 products' (`decode_gemm_fp8_variants.PREFETCH_ROW_BYTES`)
+PREFETCH_ROW_BYTES = 256
 
 
 @functools.cache  # asked at every FP8 projection's call
@@ -173,8 +191,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: tor
     x = x.contiguous()
     rows, k = x.shape
     launch = pdl_launch(x.device, _fp8_gemv_kernel)
+    prefetch = l2_prefetch_bytes(x.device, _fp8_gemv_kernel, k // splits, PREFETCH_ROW_BYTES)
     _fp8_gemv_kernel[(n // tiles.block_n, splits)](
         x, weight.view(torch.uint8), scale, out, rows, n, k, k // splits, n if gated else 0, n * k if gated else 0,
         ROWS=triton.next_power_of_2(rows), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, STAGES=tiles.stages,
-        GATED=gated, USE_PDL=bool(launch), num_warps=tiles.warps, **launch,
+        GATED=gated, USE_PDL=bool(launch), PREFETCH=prefetch, num_warps=tiles.warps, **launch,
     )  # fmt: skip

@@ -131,6 +131,35 @@ def pdl_start(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+# A chained kernel's programs get resident while the kernel ahead still runs (its wait returned, `pdl_start`) and
+# idle until it ends; those that stream constant weights can prefetch the first of them into L2 meanwhile, so
+# that their first K-steps hit L2 where they would have waited on HBM. SRT_L2_PREFETCH=0 turns it off (A/B).
+L2_PREFETCH_ENABLED = envs.SRT_L2_PREFETCH.enabled()
+
+
+def l2_prefetch_bytes(device: torch.device, kernel: object, row_bytes: int, cap: int) -> int:
+    """The bytes of each weight row a chained `kernel` prefetches (`prefetch_l2`): up to `cap` of its
+    `row_bytes`, a multiple of 16; 0 where it does not run (no PDL, the interpreter, SRT_L2_PREFETCH=0)."""
+    if not (L2_PREFETCH_ENABLED and pdl_launch(device, kernel)):
+        return 0
+    return min(row_bytes, cap) // 16 * 16
+
+
+@jit
+def prefetch_l2(ptrs, NBYTES: tl.constexpr):
+    """Prefetch NBYTES (a multiple of 16) from each 16-byte-aligned address of `ptrs` into L2: sm90's bulk
+    prefetch, a hint that returns at once and brings nothing into registers."""
+    if NBYTES > 0:
+        tl.inline_asm_elementwise(
+            "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+            "=r,l,r",
+            [ptrs, tl.full(ptrs.shape, NBYTES, tl.int32)],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
 def _fp8_dot_dtype(x_dtype):
     """The dtype FP8 operands (K/V blocks, weight tiles) widen to for the dot products with an `x_dtype` operand:
     float16 for a 16-bit one, float32 for float32. sm90 widens e4m3 pairs to float16 in one instruction, and to

@@ -11,6 +11,7 @@ from fp8_fixtures import fp8_layer, relative_error
 
 from srt.kernels.decode_gemm import GATED
 from srt.kernels.decode_gemv_fp8 import (
+    PREFETCH_ROW_BYTES,
     GemvTiles,
     _fp8_gemv_kernel,
     decode_gelu_mlp_gemv,
@@ -21,7 +22,7 @@ from srt.kernels.decode_gemv_fp8 import (
     gemv_tiles,
 )
 from srt.kernels.gelu_mul import gelu_tanh_mul_packed
-from srt.kernels.triton_support import jit, kernel_runs_on, tl
+from srt.kernels.triton_support import has_pdl, is_interpreted, jit, kernel_runs_on, l2_prefetch_bytes, tl
 
 SMALL_TILES = GemvTiles(8, 64)
 
@@ -148,6 +149,16 @@ GPU_SHAPES = [
     (43008, 5376, GATED),
     (5376, 21504, 4),
 ]
+
+
+def test_l2_prefetch_takes_whole_lines_of_chained_launches_only() -> None:
+    """The GPU tests below run the kernels with their prefetch on (chained on Hopper); the CPU never prefetches
+    (no chained launch there, and the interpreter has no inline assembly)."""
+    assert l2_prefetch_bytes(torch.device("cpu"), _fp8_gemv_kernel, 2560, PREFETCH_ROW_BYTES) == 0
+    cuda = torch.device("cuda")
+    if torch.cuda.is_available() and has_pdl(cuda) and not is_interpreted(_fp8_gemv_kernel):
+        assert l2_prefetch_bytes(cuda, _fp8_gemv_kernel, 2560, 256) == 256
+        assert l2_prefetch_bytes(cuda, _fp8_gemv_kernel, 200, 256) == 192  # 16-byte multiples
 
 
 @pytest.mark.gpu
