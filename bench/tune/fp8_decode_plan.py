@@ -64,7 +64,7 @@ class Projection(NamedTuple):
 class Config(NamedTuple):
     family: str
     tiles: GemmTiles
-    splits: int  # 1 for GATED
+    splits: int  # K-chunks; a gated GEMM's only for the variants, which sum them in the kernel
 
 
 def projections(model: str) -> list[Projection]:
@@ -98,7 +98,7 @@ def smoke_projections() -> list[Projection]:
 
 
 def _chunk(projection: Projection, splits: int) -> int:
-    return projection.k if projection.kind == GATED else projection.k // splits
+    return projection.k // splits  # a gated GEMM's chunks too (the swapped variants sum them in the kernel)
 
 
 def fits(projection: Projection, tiles: GemmTiles, splits: int, scale_block_k: int, family: str) -> bool:
@@ -135,7 +135,7 @@ def fp8_call(family: str, x: torch.Tensor, layer: Fp8Linear, kind: int | str, co
             return decode_gelu_mlp_fp8(*args, tiles=config.tiles)
         return decode_linear_fp8(*args, splits=config.splits, tiles=config.tiles)
     if kind == GATED:
-        return decode_gelu_mlp_fp8_variant(*args, family, tiles=config.tiles)
+        return decode_gelu_mlp_fp8_variant(*args, family, tiles=config.tiles, splits=config.splits)
     return decode_linear_fp8_variant(*args, family, splits=config.splits, tiles=config.tiles)
 
 

@@ -14,7 +14,8 @@ at 1 and 32 rows, each as srt calls it in a decode step:
   bf16; srt's decode path before the sweep, its fallback since), and
   the variants of `srt/kernels/decode_gemm_fp8_variants.py` ("fp16", "swap_fp16", "w8a8"; "swap_bf16" on
   request), first at the caller's 4 K-splits (and the fewest splits that give a full wave of CTAs), then the 2
-  fastest tiles of each family at every splits count in (1, 2, 3, 4, 6, 8) that divides K;
+  fastest tiles of each family at every splits count in (1, 2, 3, 4, 6, 8) that divides K (gate_up too for the
+  variants, whose kernel sums a gated GEMM's K-chunks);
 - srt's bf16 decode GEMM (`decode_gemm.py`, its own tiles) and cuBLAS's (F.linear), on the weight in bf16;
 - torch._scaled_mm W8A8 (x quantized per token by srt's `kernels/fp8_quant.py`, per-channel weight scales),
   with and without the quantize kernel; "fp8 srt" is srt's FP8 path before the sweep: the weight-only kernel
@@ -73,7 +74,7 @@ from timing import time_cuda, write_json  # noqa: E402
 
 from srt.kernels.decode_gemm import GATED, GemmTiles, decode_gelu_mlp, decode_gemm_applies, decode_linear  # noqa: E402
 from srt.kernels.decode_gemm_fp8 import _decode_gemm_fp8_kernel, decode_fp8_tiles  # noqa: E402
-from srt.kernels.decode_gemm_fp8_variants import _decode_gemm_fp8_variant_kernel  # noqa: E402
+from srt.kernels.decode_gemm_fp8_variants import VARIANTS, _decode_gemm_fp8_variant_kernel  # noqa: E402
 from srt.kernels.fp8_quant import quantize_fp8  # noqa: E402
 from srt.kernels.gelu_mul import gelu_tanh_mul_packed  # noqa: E402
 from srt.layers.fp8_linear import Fp8Linear  # noqa: E402
@@ -187,7 +188,9 @@ class ProjectionSweep:
             Config(family, GemmTiles(*c["tiles"]), s)
             for c in fastest
             for s in SPLITS_GRID
-            if not self.gated and fits(self.projection, GemmTiles(*c["tiles"]), s, block_k, family)
+            # gated K-chunks: the variants' kernel sums them (srt's E4B gate_up runs 160 programs, 1.2 waves)
+            if (not self.gated or family in VARIANTS)
+            and fits(self.projection, GemmTiles(*c["tiles"]), s, block_k, family)
         ]
         timed += [self.timed(c) for c in dict.fromkeys(more) if c not in first]
         for c in timed:
