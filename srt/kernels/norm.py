@@ -227,24 +227,6 @@ def add_rms_norm_then_norm(
     return summed, normed
 
 
-def add_rms_norms_of_parts(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    eps: float,
-    parts: torch.Tensor,
-    parts_weight: torch.Tensor,
-    parts_eps: float,
-    use_triton: bool | None = None,
-) -> torch.Tensor:
-    """RMSNorm(sum of parts) + RMSNorm(x) in one kernel: `add_rms_norm` whose residual is the RMSNorm (weight
-    `parts_weight`) of `parts` [tokens, P, hidden] summed over P (in float32, rounded to its dtype as torch's sum
-    rounds). An MoE layer's expert slots (P = top_k, unsummed) and its dense MLP's output (x, or its K-split
-    partials): the slots' sum, its norm and the add + norm, where torch runs three kernels."""
-    if parts.dim() != 3:
-        raise ValueError(f"add_rms_norms_of_parts: parts must be [tokens, P, hidden], got {list(parts.shape)}")
-    return _add_rms_norm(x, parts, weight, eps, None, None, 0.0, use_triton, parts_norm=(parts_weight, parts_eps))[0]
-
-
 class ThenAdd(NamedTuple):
     """A second residual add after the first sum: residual + RMSNorm(sum) * weight (eps `eps`)."""
 
@@ -266,9 +248,11 @@ def moe_outputs_add_then_norm(
     scale: torch.Tensor | None = None,
     use_triton: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """An MoE layer's end in one kernel: `add_rms_norms_of_parts` (the dense MLP's output x and the expert slots),
-    then `add_rms_norm_then_norm` of that sum onto `then_add`'s residual, scaled: (summed, next norm or None).
-    Two kernels otherwise, the second waiting for the first's rows (26B-A4B, 32 rows: 7.6 + 2.1 us a layer)."""
+    """An MoE layer's end in one kernel: RMSNorm(sum of parts) + RMSNorm(x), then `add_rms_norm_then_norm` of that
+    sum onto `then_add`'s residual, scaled: (summed, next norm or None). x is the dense MLP's output (or its K-split
+    partials), `parts` [tokens, P, hidden] the expert slots unsummed (summed over P in float32 and rounded as
+    torch's sum rounds, then normed with `parts_weight`). Two kernels before (26B-A4B, 32 rows: 7.6 + 2.1 us a
+    layer), three in torch."""
     if parts.dim() != 3:
         raise ValueError(f"moe_outputs_add_then_norm: parts must be [tokens, P, hidden], got {list(parts.shape)}")
     if then_add.residual.shape != parts[:, 0].shape:
@@ -323,7 +307,7 @@ def _add_rms_norm(
     then_add: ThenAdd | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
     """(summed, the next norm of it or None, the MoE norms of it or None). With `parts_norm` (weight, eps) the
-    residual comes as parts [tokens, P, hidden] whose normed sum is the residual (`add_rms_norms_of_parts`); with
+    residual comes as parts [tokens, P, hidden] whose normed sum is the residual (`moe_outputs_add_then_norm`); with
     `then_add` the sum is normed and added to a second residual before the scale and the next norm."""
     partials = x.dim() == 3
     parts = residual if parts_norm is not None else None

@@ -22,7 +22,6 @@ from srt.kernels.norm import (
     add_rms_norm,
     add_rms_norm_then_moe_norms,
     add_rms_norm_then_norm,
-    add_rms_norms_of_parts,
     moe_outputs_add_then_norm,
 )
 from srt.kernels.per_layer_projection import per_layer_input_projection
@@ -204,23 +203,26 @@ class Gemma4DecoderLayer(nn.Module):
             mlp_out, expert_terms = self._dense_beside_experts(mlp_input, expert_input, router_input)
             if self.tp_size > 1:
                 expert_terms = reduce_sum(expert_terms, self.tp_size).unsqueeze(1)
+            # the parts' two norms, their sum, its norm and the residual add in one kernel (with the layer scalar
+            # and the next input norm unless a per-layer input comes after it)
             norm_1, norm_2 = self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2
-            if not self.ple_dim:  # the parts' two norms, their sum, its norm and the residual add in one kernel
-                post = self.post_feedforward_layernorm
-                return moe_outputs_add_then_norm(
-                    mlp_out, norm_1.weight, norm_1.eps, expert_terms, norm_2.weight, norm_2.eps,
-                    ThenAdd(residual, post.weight, post.eps), next_norm.weight if next_norm else None,
-                    next_norm.eps if next_norm else 0.0, self.layer_scalar,
-                )  # fmt: skip
-            mlp_out = add_rms_norms_of_parts(
-                mlp_out, norm_1.weight, norm_1.eps, expert_terms, norm_2.weight, norm_2.eps
-            )
+            post = self.post_feedforward_layernorm
+            last = not self.ple_dim and next_norm is not None
+            hidden, normed = moe_outputs_add_then_norm(
+                mlp_out, norm_1.weight, norm_1.eps, expert_terms, norm_2.weight, norm_2.eps,
+                ThenAdd(residual, post.weight, post.eps), next_norm.weight if last else None,
+                next_norm.eps if last else 0.0, None if self.ple_dim else self.layer_scalar,
+            )  # fmt: skip
+            if not self.ple_dim:
+                return hidden, normed
         else:
             mlp_out = self.mlp(mlp_input)
-        if not self.ple_dim:
-            return add_norm_then_norm(self.post_feedforward_layernorm, mlp_out, residual, next_norm, self.layer_scalar)
-        # the layer scalar multiplies the layer's last sum: the per-layer-input one here
-        hidden = add_norm(self.post_feedforward_layernorm, mlp_out, residual)
+            if not self.ple_dim:
+                return add_norm_then_norm(
+                    self.post_feedforward_layernorm, mlp_out, residual, next_norm, self.layer_scalar
+                )
+            # the layer scalar multiplies the layer's last sum: the per-layer-input one here
+            hidden = add_norm(self.post_feedforward_layernorm, mlp_out, residual)
         # gate GEMV, gelu * per-layer input, projection GEMV: two split-K kernels at decode sizes on GPU
         projected = per_layer_input_projection(
             hidden, per_layer_input, self.per_layer_input_gate.weight, self.per_layer_projection.weight

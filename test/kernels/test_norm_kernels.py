@@ -19,7 +19,6 @@ from srt.kernels.norm import (
     add_rms_norm_reference,
     add_rms_norm_then_moe_norms,
     add_rms_norm_then_norm,
-    add_rms_norms_of_parts,
     moe_outputs_add_then_norm,
     rms_norm,
     rms_norm_reference,
@@ -177,54 +176,29 @@ def test_add_rms_norm_then_moe_norms_kernel(dtype: torch.dtype, partials: bool) 
     assert torch.equal(reference[2], rms_norm_reference(reference[0], cpu[4], EPS))
 
 
-@pytest.mark.parametrize("num_parts", [1, 8])
-@pytest.mark.parametrize("partials", [False, True])
+@pytest.mark.parametrize(("num_parts", "partials", "with_next"), [(8, True, True), (8, True, False), (1, False, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_add_rms_norms_of_parts(dtype: torch.dtype, partials: bool, num_parts: int) -> None:
-    """RMSNorm(sum of parts) + RMSNorm(x) in one kernel (an MoE layer's expert slots beside its dense MLP): the
-    values of summing the parts as torch does, norming them, then `add_rms_norm` with that as the residual."""
-    generator = torch.Generator().manual_seed(7 + num_parts)
+def test_moe_outputs_add_then_norm(dtype: torch.dtype, num_parts: int, partials: bool, with_next: bool) -> None:
+    """An MoE layer's end in one kernel: the expert slots summed as torch sums them and normed, the dense MLP's
+    output (or its K-split partials) normed and added to that, the sum normed and added to the residual with the
+    layer scalar, then the next norm: the values of the add + norm kernels run one after the other."""
+    generator = torch.Generator().manual_seed(11 + num_parts)
     tokens, hidden = 3, 96
     shape = (2, tokens, hidden) if partials else (tokens, hidden)
     x = (3 * torch.randn(shape, generator=generator)).to(DEVICE, torch.float32 if partials else dtype)
-    parts = torch.randn(tokens, num_parts, hidden, generator=generator).to(DEVICE, dtype)
-    weight, parts_weight = (random_weight(hidden, generator).to(DEVICE, dtype) for _ in range(2))
-    got = add_rms_norms_of_parts(x, weight, EPS, parts, parts_weight, 1e-5, use_triton=True)
-    residual = rms_norm_reference(parts.sum(dim=1), parts_weight, 1e-5)  # (the interpreter's casts truncate)
-    expected = add_rms_norm(x, residual, weight, EPS, use_triton=True)
-    assert got.dtype == dtype and got.shape == (tokens, hidden)
-    if dtype == torch.float32:
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    else:  # float32 summation order and 1/sqrt noise may flip the last bit of a rounded step
-        assert_within_ulps(got, expected, expected.abs() + residual.float().abs(), 2)
-        assert (got == expected).float().mean() > 0.9
-    cpu = [t.cpu() for t in (x, parts, weight, parts_weight)]  # the reference path: torch's ops exactly
-    reference = add_rms_norms_of_parts(cpu[0], cpu[2], EPS, cpu[1], cpu[3], 1e-5)
-    summed_x = sum_partials(cpu[0], dtype) if partials else cpu[0]
-    ops = add_rms_norm_reference(summed_x, rms_norm_reference(cpu[1].sum(dim=1), cpu[3], 1e-5), cpu[2], EPS)
-    assert torch.equal(reference, ops)
-
-
-@pytest.mark.parametrize("with_next", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_outputs_add_then_norm(dtype: torch.dtype, with_next: bool) -> None:
-    """An MoE layer's end in one kernel: the values of `add_rms_norms_of_parts`, then `add_rms_norm_then_norm`
-    of its sum onto the residual with the layer scalar, the two kernels it replaces."""
-    generator = torch.Generator().manual_seed(11)
-    tokens, hidden, num_parts = 3, 96, 8
-    x = (3 * torch.randn(2, tokens, hidden, generator=generator)).to(DEVICE)  # the dense MLP's K-split partials
     parts = torch.randn(tokens, num_parts, hidden, generator=generator).to(DEVICE, dtype)
     residual = (2 * torch.randn(tokens, hidden, generator=generator)).to(DEVICE, dtype)
     weight, parts_weight, post_weight, next_weight = (
         random_weight(hidden, generator).to(DEVICE, dtype) for _ in range(4)
     )
-    scale = torch.tensor([0.75], device=DEVICE, dtype=dtype)
+    scale = torch.tensor([0.75], device=DEVICE, dtype=dtype) if with_next else None
     then_add = ThenAdd(residual, post_weight, 2e-6)
     got, got_next = moe_outputs_add_then_norm(
         x, weight, EPS, parts, parts_weight, 1e-5, then_add, next_weight if with_next else None, 3e-6, scale,
         use_triton=True,
     )  # fmt: skip
-    mlp_out = add_rms_norms_of_parts(x, weight, EPS, parts, parts_weight, 1e-5, use_triton=True)
+    normed_parts = rms_norm_reference(parts.sum(dim=1), parts_weight, 1e-5)  # (the interpreter's casts truncate)
+    mlp_out = add_rms_norm(x, normed_parts, weight, EPS, use_triton=True)
     expected, expected_next = add_rms_norm_then_norm(
         mlp_out, residual, post_weight, 2e-6, next_weight, 3e-6, scale, use_triton=True
     )
@@ -236,17 +210,21 @@ def test_moe_outputs_add_then_norm(dtype: torch.dtype, with_next: bool) -> None:
         else:  # float32 summation order and 1/sqrt noise may flip the last bit of a rounded step
             assert_within_ulps(value, oracle, oracle.abs() + residual.float().abs(), 2)
             assert (value == oracle).float().mean() > 0.9
-    cpu = [t.cpu() for t in (x, parts, weight, parts_weight, residual, post_weight, next_weight, scale)]
+    cpu = [t.cpu() if t is not None else None for t in (x, parts, weight, parts_weight, residual, post_weight,
+                                                         next_weight, scale)]  # fmt: skip
     reference, reference_next = moe_outputs_add_then_norm(
         cpu[0], cpu[2], EPS, cpu[1], cpu[3], 1e-5, ThenAdd(cpu[4], cpu[5], 2e-6), cpu[6], 3e-6, cpu[7]
     )  # the reference path: torch's ops exactly
-    inner = add_rms_norms_of_parts(cpu[0], cpu[2], EPS, cpu[1], cpu[3], 1e-5)
+    summed_x = sum_partials(cpu[0], dtype) if partials else cpu[0]
+    inner = add_rms_norm_reference(summed_x, rms_norm_reference(cpu[1].sum(dim=1), cpu[3], 1e-5), cpu[2], EPS)
     assert torch.equal(reference, add_rms_norm_reference(inner, cpu[4], cpu[5], 2e-6, cpu[7]))
     assert torch.equal(reference_next, rms_norm_reference(reference, cpu[6], 3e-6))
     with pytest.raises(ValueError, match="residual"):
         moe_outputs_add_then_norm(
             x, weight, EPS, parts, parts_weight, 1e-5, ThenAdd(residual[:2], post_weight, 1e-6), None, 0.0
         )
+    with pytest.raises(ValueError, match="parts"):
+        moe_outputs_add_then_norm(x, weight, EPS, parts[:, 0], parts_weight, 1e-5, then_add, None, 0.0)
 
 
 @pytest.mark.parametrize("splits", [2, 3])

@@ -215,7 +215,7 @@ def fused_experts(
     `backend`: "triton", "grouped_mm", or None for `default_backend`. FP8 weights (float8_e4m3fn) come with
     their float32 per-output-channel scales `gate_up_scale` [experts, 2 * inter] and `down_scale`
     [experts, hidden]. `combine` False: the k terms unsummed, [tokens, top_k, hidden] (the caller's kernel sums
-    them: `norm.add_rms_norms_of_parts`). Raises ValueError if no backend can run.
+    them: `norm.moe_outputs_add_then_norm`). Raises ValueError if no backend can run.
     """
     fp8 = gate_up_proj.dtype == FP8
     if fp8 != (down_proj.dtype == FP8) or fp8 != (gate_up_scale is not None and down_scale is not None):
