@@ -42,7 +42,7 @@ class Router(nn.Module):
         its residual add's kernel: `norm.add_rms_norm_then_moe_norms`)."""
         use_triton = False if self.backend == "torch" else None
         weight = self.proj.weight
-        splits = weight.shape[1] // ROUTER_TILES.block_k
+        splits = max(1, weight.shape[1] // ROUTER_TILES.block_k)  # a narrower hidden size fails the tiles' check
         if use_triton is None and decode_gemm_applies(router_input, weight, splits, ROUTER_TILES):
             partials = decode_linear(router_input, weight, splits, ROUTER_TILES)
             return topk_routing(partials, self.per_expert_scale, self.top_k, logits_dtype=router_input.dtype)
