@@ -151,7 +151,7 @@ GPU_SHAPES = [
 ]
 
 
-def test_l2_prefetch_takes_whole_lines_of_chained_launches_only() -> None:
+def test_l2_prefetch_takes_16_byte_multiples_on_chained_launches_only() -> None:
     """The GPU tests below run the kernels with their prefetch on (chained on Hopper); the CPU never prefetches
     (no chained launch there, and the interpreter has no inline assembly)."""
     assert l2_prefetch_bytes(torch.device("cpu"), _fp8_gemv_kernel, 2560, PREFETCH_ROW_BYTES) == 0
