@@ -205,11 +205,6 @@ def w8a8_gated_plan(n: int, k: int, block_k: int) -> tuple[GemmTiles, int]:
 
 
 _TL_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float8_e4m3fn: "float8e4nv"}
-# the weight bytes of each of a program's rows that it prefetches into L2 before its wait (`prefetch_l2`); H100,
-# E4B FP8 weights + KV, batch 1 / 32 ms a step with this and the GEMV's cap (2026-11-28, l2-prefetch-*.json): none
-# 2.95 / 4.16-4.17, 128 2.94 / 4.13, 256 2.91 / 4.08-4.10, 512 2.92 / 4.10, 1024 3.05 / 4.18, 4096 3.62 / 4.70
-# (the more the programs prefetch, the more the lines they need next wait behind the prefetched ones)
-PREFETCH_ROW_BYTES = 256
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int, out: torch.Tensor,
@@ -226,7 +221,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k:
     if gated_splits > 1:
         partials = torch.empty((splits, 2, rows, n), dtype=torch.float32, device=x.device)
         tickets = ticket_counters("fp8_gated_gemm", x.device, n // tiles.block_n)
-    prefetch = l2_prefetch_bytes(x.device, _decode_gemm_fp8_variant_kernel, k // splits, PREFETCH_ROW_BYTES)
+    prefetch = l2_prefetch_bytes(x.device, _decode_gemm_fp8_variant_kernel, k // splits)
     _decode_gemm_fp8_variant_kernel[(n // tiles.block_n, splits)](
         x_desc, w_desc, weight, scale, out, partials, tickets, rows, n, k, k // splits, n if gated else 0,
         scale.shape[1], PREFETCH=prefetch,

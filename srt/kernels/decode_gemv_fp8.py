@@ -113,9 +113,6 @@ MAX_STEPS = 8
 # to fill them all. E4B at batch 1 (H100, 2026-11-27): down in 2 chunks (320 programs) 21 us a layer in the model
 # against 11.7 alone, a decode step 3.43 ms; 4 chunks 3.17, 8 (1280 programs) 3.12, 10 3.14.
 FILLING_PROGRAMS = 1024
-# the weight bytes of each of a program's rows that it prefetches into L2 before its wait (`prefetch_l2`): the
-# sweep's cap, as the float16 products' (`decode_gemm_fp8_variants.PREFETCH_ROW_BYTES`)
-PREFETCH_ROW_BYTES = 256
 
 
 @functools.cache  # asked at every FP8 projection's call
@@ -191,7 +188,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, out: tor
     x = x.contiguous()
     rows, k = x.shape
     launch = pdl_launch(x.device, _fp8_gemv_kernel)
-    prefetch = l2_prefetch_bytes(x.device, _fp8_gemv_kernel, k // splits, PREFETCH_ROW_BYTES)
+    prefetch = l2_prefetch_bytes(x.device, _fp8_gemv_kernel, k // splits)
     _fp8_gemv_kernel[(n // tiles.block_n, splits)](
         x, weight.view(torch.uint8), scale, out, rows, n, k, k // splits, n if gated else 0, n * k if gated else 0,
         ROWS=triton.next_power_of_2(rows), BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, STAGES=tiles.stages,

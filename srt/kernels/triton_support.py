@@ -135,9 +135,14 @@ def pdl_start(USE_PDL: tl.constexpr):
 # idle until it ends; those that stream constant weights can prefetch the first of them into L2 meanwhile, so
 # that their first K-steps hit L2 where they would have waited on HBM. SRT_L2_PREFETCH=0 turns it off (A/B).
 L2_PREFETCH_ENABLED = envs.SRT_L2_PREFETCH.enabled()
+# the bytes of each weight row a program prefetches, in the one-row GEMV and the float16 products alike; H100, E4B
+# FP8 weights + KV, batch 1 / 32 ms a step (2026-11-28, l2-prefetch-*.json): none 2.95 / 4.16-4.17, 128 2.94 /
+# 4.13, 256 2.91 / 4.08-4.10, 512 2.92 / 4.10, 1024 3.05 / 4.18, 4096 3.62 / 4.70 (the more the programs prefetch,
+# the more the lines they need next wait behind the prefetched ones)
+L2_PREFETCH_ROW_BYTES = 256
 
 
-def l2_prefetch_bytes(device: torch.device, kernel: object, row_bytes: int, cap: int) -> int:
+def l2_prefetch_bytes(device: torch.device, kernel: object, row_bytes: int, cap: int = L2_PREFETCH_ROW_BYTES) -> int:
     """The bytes of each weight row a chained `kernel` prefetches (`prefetch_l2`): up to `cap` of its
     `row_bytes`, a multiple of 16; 0 where it does not run (no PDL, the interpreter, SRT_L2_PREFETCH=0)."""
     if not (L2_PREFETCH_ENABLED and pdl_launch(device, kernel)):

@@ -11,7 +11,6 @@ from fp8_fixtures import fp8_layer, relative_error
 
 from srt.kernels.decode_gemm import GATED
 from srt.kernels.decode_gemv_fp8 import (
-    PREFETCH_ROW_BYTES,
     GemvTiles,
     _fp8_gemv_kernel,
     decode_gelu_mlp_gemv,
@@ -154,7 +153,7 @@ GPU_SHAPES = [
 def test_l2_prefetch_takes_16_byte_multiples_on_chained_launches_only() -> None:
     """The GPU tests below run the kernels with their prefetch on (chained on Hopper); the CPU never prefetches
     (no chained launch there, and the interpreter has no inline assembly)."""
-    assert l2_prefetch_bytes(torch.device("cpu"), _fp8_gemv_kernel, 2560, PREFETCH_ROW_BYTES) == 0
+    assert l2_prefetch_bytes(torch.device("cpu"), _fp8_gemv_kernel, 2560) == 0
     cuda = torch.device("cuda")
     if torch.cuda.is_available() and has_pdl(cuda) and not is_interpreted(_fp8_gemv_kernel):
         assert l2_prefetch_bytes(cuda, _fp8_gemv_kernel, 2560, 256) == 256
