@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import torch
 
+from srt.kernels.norm import sum_partials
 from srt.kernels.triton_support import jit, last_dim_contiguous, round_to, runs_triton, tl, triton
 
 
@@ -93,14 +94,6 @@ def topk_routing_reference(router_logits: torch.Tensor, per_expert_scale: torch.
     return RoutingResult(top_weights * per_expert_scale[top_ids].float(), top_ids.to(torch.int32))
 
 
-def sum_partials(partials: torch.Tensor) -> torch.Tensor:
-    """The float32 sum of [splits, T, E] partial sums in the kernel's order (first split first)."""
-    total = partials[0].clone()
-    for part in partials[1:]:
-        total += part
-    return total
-
-
 def topk_routing(
     router_logits: torch.Tensor,
     per_expert_scale: torch.Tensor,
@@ -115,7 +108,7 @@ def topk_routing(
         if logits_dtype is None:
             raise ValueError("topk_routing: partial sums [splits, T, E] need logits_dtype")
         if not runs_triton(router_logits.device, use_triton, _topk_routing_kernel):
-            return topk_routing_reference(sum_partials(router_logits).to(logits_dtype), per_expert_scale, top_k)
+            return topk_routing_reference(sum_partials(router_logits, logits_dtype), per_expert_scale, top_k)
     elif not runs_triton(router_logits.device, use_triton, _topk_routing_kernel):
         return topk_routing_reference(router_logits, per_expert_scale, top_k)
     splits = router_logits.shape[0] if router_logits.dim() == 3 else 1

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from srt.kernels.moe.routing import sum_partials, topk_routing, topk_routing_reference
+from srt.kernels.moe.routing import topk_routing, topk_routing_reference
+from srt.kernels.norm import sum_partials
 from srt.layers.moe.router import Router
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -98,7 +99,7 @@ def test_partial_sums_are_summed_then_rounded(logits_dtype: torch.dtype) -> None
     tied = torch.randint(-2, 3, (11, 3, EXPERTS), generator=generator).float().to(DEVICE) / 4
     for parts in (partials, tied):
         weights, ids = topk_routing(parts, expert_scales(), TOP_K, use_triton=True, logits_dtype=logits_dtype)
-        logits = sum_partials(parts).to(logits_dtype)
+        logits = sum_partials(parts, logits_dtype)
         expected_weights, expected_ids = topk_routing_reference(logits, expert_scales(), TOP_K)
         assert torch.equal(ids, expected_ids)
         torch.testing.assert_close(weights, expected_weights, atol=WEIGHT_TOL, rtol=0)
